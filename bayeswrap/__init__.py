@@ -1,0 +1,29 @@
+"""bayeswrap: any PyTorch ``nn.Module`` as a Bayesian neural network, in one line.
+
+>>> import bayeswrap as bw
+>>> bnn = bw.wrap(model, "vi", num_data=len(train_set), prior_std=1.0)
+>>> history = bw.fit(bnn, train_loader, epochs=10, optimizer=torch.optim.SGD(bnn.parameters(), lr=1e-2))
+>>> probs = bnn.predict(x, num_samples=5)   # posterior predictive, (B, K)
+"""
+
+from . import optim
+from .methods import (
+    MAP,
+    METHODS,
+    SGLD,
+    VI,
+    BayesianModel,
+    Laplace,
+    LossOutput,
+    MCDropout,
+    NotFittedError,
+    method_options,
+    wrap,
+)
+from .predictive import evaluate, predict_loader
+from .training import fit
+
+__version__ = "0.1.0"
+
+__all__ = ["wrap", "fit", "evaluate", "predict_loader", "BayesianModel", "LossOutput", "NotFittedError", "METHODS",
+           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "optim", "__version__"]

@@ -1,0 +1,164 @@
+"""Functional view of an ``nn.Module``: named tensors, parameter selection and calls.
+
+bayeswrap never mutates the user's model. Instead it keeps its own copies of the
+parameters and buffers and evaluates the model with
+:func:`torch.func.functional_call`, so any tensor (a posterior sample, a
+posterior mean, a batch of samples under ``vmap``) can be plugged in.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Union
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+ParamSelector = Union[None, str, Sequence[str], Callable[[str, torch.Tensor], bool]]
+
+
+def _mangle(name: str) -> str:
+    # nn.Module attribute names may not contain "."; "/" never occurs in module paths.
+    return name.replace(".", "/")
+
+
+class NamedTensors(nn.Module):
+    """An ordered mapping from dotted parameter names to tensors, as a module.
+
+    ``nn.ParameterDict`` rejects dotted keys such as ``"layer1.0.conv1.weight"``;
+    this container accepts them and registers each tensor either as an
+    ``nn.Parameter`` (trainable) or as a buffer, so ``.to()``, ``state_dict()``
+    and optimizers see them.
+
+    Args:
+        tensors: mapping from parameter name to tensor. The tensors are cloned.
+        trainable: register as ``nn.Parameter`` (True) or as buffers (False).
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], trainable: bool):
+        super().__init__()
+        self._names = list(tensors)
+        for name, t in tensors.items():
+            t = t.detach().clone()
+            if trainable:
+                self.register_parameter(_mangle(name), nn.Parameter(t))
+            else:
+                self.register_buffer(_mangle(name), t)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return getattr(self, _mangle(name))
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        getattr(self, _mangle(name)).data.copy_(value)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, self[n]) for n in self._names]
+
+    def values(self) -> list[torch.Tensor]:
+        return [self[n] for n in self._names]
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """Returns ``{name: tensor}`` (the live tensors, not copies)."""
+        return {n: self[n] for n in self._names}
+
+
+def is_bias(name: str) -> bool:
+    """Whether a parameter is a bias, by the PyTorch naming convention ``*.bias``.
+
+    Args:
+        name: dotted parameter name, e.g. ``"fc.bias"``.
+    """
+    return name.rsplit(".", 1)[-1] == "bias"
+
+
+def select_parameters(model: nn.Module, params: ParamSelector) -> list[str]:
+    """Names of the trainable parameters of ``model`` that are to be Bayesian.
+
+    Args:
+        model: the user's module.
+        params: ``None`` for every trainable parameter; a glob pattern or a list
+            of glob patterns over parameter names (``fnmatch`` syntax, e.g.
+            ``["head.*"]`` or ``["blocks.*.mlp.*"]``); or a callable
+            ``(name, tensor) -> bool``.
+
+    Returns:
+        The selected names, in ``model.named_parameters()`` order.
+
+    Raises:
+        ValueError: if a pattern matches no trainable parameter, if nothing is
+            selected, or if ``params`` has an unsupported type.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to make Bayesian")
+    if params is None:
+        return [n for n, _ in named]
+    if callable(params):
+        chosen = [n for n, p in named if params(n, p)]
+        if not chosen:
+            raise ValueError("the `params` callable selected no parameter; "
+                             f"trainable parameters are e.g. {[n for n, _ in named][:8]}")
+        return chosen
+    if isinstance(params, str):
+        params = [params]
+    if not isinstance(params, Iterable):
+        raise ValueError(f"params={params!r} is not supported; accepted: None, a list of glob patterns "
+                         "over parameter names, or a callable (name, tensor) -> bool")
+    patterns = list(params)
+    for pat in patterns:
+        if not isinstance(pat, str):
+            raise ValueError(f"params pattern {pat!r} is not a string; accepted: glob patterns such as 'head.*'")
+        if not any(fnmatch.fnmatchcase(n, pat) for n, _ in named):
+            raise ValueError(f"params pattern {pat!r} matches no trainable parameter; "
+                             f"parameter names look like {[n for n, _ in named][:8]}")
+    return [n for n, _ in named if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+
+
+def split_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Detached copies of a module's parameters and buffers, keyed by name.
+
+    Args:
+        model: any ``nn.Module``.
+
+    Returns:
+        ``(params, buffers)``; tied parameters appear once, as in
+        ``named_parameters()``.
+    """
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return params, buffers
+
+
+def call(model: nn.Module, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+         x: torch.Tensor | tuple) -> torch.Tensor:
+    """Evaluates ``model`` at the given tensors without touching its own state.
+
+    ``torch.func.functional_call(model, (params, buffers), x)``. In train mode
+    BatchNorm updates the running statistics held in ``buffers`` in place, exactly
+    as ``model(x)`` updates its own.
+
+    Args:
+        model: the user's module (used only as a function).
+        params: every parameter of ``model`` by name.
+        buffers: every buffer of ``model`` by name.
+        x: the input, or a tuple of positional inputs.
+
+    Returns:
+        Whatever ``model.forward`` returns.
+    """
+    args = x if isinstance(x, tuple) else (x,)
+    return functional_call(model, (dict(params), dict(buffers)), args, tie_weights=True, strict=False)

@@ -1,0 +1,83 @@
+"""Inference methods and the registry from method name to class.
+
+``bayeswrap.wrap(model, method, ...)`` looks the class up in :data:`METHODS`.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from .base import METHODS, BayesianModel, LossOutput, NotFittedError, register_method
+from .laplace import Laplace
+from .map import MAP
+from .mc_dropout import MCDropout
+from .sgld import SGLD
+from .vi import VI
+
+_COMMON = ("num_data", "prior_std", "prior_mean", "bias", "params", "likelihood", "noise_std", "kl_weight",
+           "chunk_size")
+
+
+def method_options(method: str) -> tuple[str, ...]:
+    """The method-specific keyword options of a registered method (e.g. ``init_std`` for ``"vi"``)."""
+    cls = METHODS[method]
+    names = []
+    for klass in cls.__mro__:
+        if klass is BayesianModel or "__init__" not in vars(klass):
+            continue
+        for p in inspect.signature(klass.__init__).parameters.values():
+            if p.kind is p.KEYWORD_ONLY and p.name not in _COMMON and p.name not in names:
+                names.append(p.name)
+    return tuple(names)
+
+
+def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, prior_mean="init",
+         bias: str = "informative", params=None, likelihood: str = "categorical", noise_std: float = 1.0,
+         **method_options_) -> BayesianModel:
+    """Makes any ``nn.Module`` Bayesian in one line.
+
+    ``bw.wrap(model, "vi", num_data=len(train_set), prior_std=1.0)`` puts the prior
+    N(θ̄, prior_std² I) with θ̄ = the model's current (pretrained) weights on
+    every trainable parameter and returns a :class:`BayesianModel` whose
+    ``parameters()`` are what an optimizer should update. The model itself is
+    never modified.
+
+    Args:
+        model: any ``torch.nn.Module``.
+        method: one of ``"map"``, ``"vi"``, ``"mc_dropout"``, ``"sgld"``, ``"laplace"``.
+        num_data: N, the training-set size that scales the prior/KL term.
+        prior_std: prior σ (> 0); ``None`` (only with ``"map"``) for no prior.
+        prior_mean: ``"init"``, ``"zero"`` or ``{name: tensor}``.
+        bias: ``"informative"`` or ``"uninformative"`` (MC-dropout also
+            ``"gaussian"``, ``"spikymix"``, ``"ignore"``).
+        params: Bayesian parameters: ``None`` (all), glob patterns, or a callable.
+        likelihood: ``"categorical"`` or ``"gaussian"``.
+        noise_std: Gaussian likelihood noise std.
+        **method_options_: ``kl_weight`` and ``chunk_size`` for every method, plus
+            the method's own options (see :func:`method_options`):
+            vi: ``init_std``, ``num_train_samples``; mc_dropout: ``p_drop``,
+            ``num_train_samples``; sgld: ``burn_in``, ``thinning``; laplace:
+            ``curvature``, ``curvature_chunk_size``.
+
+    Returns:
+        The :class:`BayesianModel` of the chosen method.
+
+    Raises:
+        ValueError: for an unknown method or option, or any invalid value
+            (the message names the value and lists the accepted ones).
+
+    Example:
+        >>> bnn = bw.wrap(timm.create_model("resnet18", num_classes=10), "vi", num_data=50_000)
+    """
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not known; accepted: {tuple(METHODS)}")
+    accepted = ("kl_weight", "chunk_size") + method_options(method)
+    unknown = [k for k in method_options_ if k not in accepted]
+    if unknown:
+        raise ValueError(f"option(s) {unknown} are not accepted by method {method!r}; accepted: {accepted}")
+    return METHODS[method](model, num_data=num_data, prior_std=prior_std, prior_mean=prior_mean, bias=bias,
+                           params=params, likelihood=likelihood, noise_std=noise_std, **method_options_)
+
+
+__all__ = ["METHODS", "BayesianModel", "LossOutput", "NotFittedError", "register_method", "wrap",
+           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace"]

@@ -1,0 +1,399 @@
+"""The ``BayesianModel`` contract shared by every inference method.
+
+A method differs from the others in only a few places, each a method here:
+
+* ``_train_sample()``: the parameter value used for one training forward pass
+  (a reparameterised draw for VI, a dropout mask for MC-dropout, the iterate for
+  MAP/SGLD/Laplace);
+* ``regularizer()``: the KL or negative-log-prior term, in nats;
+* ``posterior_mean()`` / ``posterior_std()`` / ``sample()``: the approximate
+  posterior used by the posterior predictive;
+* ``after_step()`` / ``after_fit()``: hooks that :func:`bayeswrap.fit` calls
+  (SGLD collects moments, Laplace fits its curvature).
+
+Everything else (the functional forward, the loss, the posterior predictive,
+``state_dict``) lives here once.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+import math
+import warnings
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.func import vmap
+
+from ..functional import NamedTensors, ParamSelector, call, select_parameters, split_state
+from ..likelihoods import make_likelihood
+from ..priors import GaussianPrior, check_prior_std
+
+METHODS: dict[str, type[BayesianModel]] = {}
+
+
+def register_method(name: str):
+    """Class decorator adding a method class to the registry under ``name``."""
+
+    def deco(cls):
+        cls.method = name
+        METHODS[name] = cls
+        return cls
+
+    return deco
+
+
+class NotFittedError(RuntimeError):
+    """Raised when the posterior is used before it exists (e.g. Laplace before ``fit_curvature``)."""
+
+
+class LossOutput(NamedTuple):
+    """What :meth:`BayesianModel.loss` returns.
+
+    Attributes:
+        loss: scalar per-datum objective to minimise, ``nll + kl_weight * kl / num_data``.
+        nll: scalar batch-mean negative log-likelihood (nats per datum), averaged
+            over the ``num_train_samples`` Monte Carlo samples.
+        kl: scalar KL divergence (VI) or negative log prior up to a constant
+            (MAP, SGLD, Laplace, MC-dropout), in nats, before scaling.
+        logits: model outputs of the last Monte Carlo sample, shape (B, K) or (B, D).
+    """
+
+    loss: torch.Tensor
+    nll: torch.Tensor
+    kl: torch.Tensor
+    logits: torch.Tensor
+
+
+class BayesianModel(nn.Module, ABC):
+    """A Bayesian view of an arbitrary ``nn.Module`` (BayesDLL §1–2).
+
+    The prior is p(θ) = N(θ̄, prior_std² I) (eq. 1) over the selected Bayesian
+    parameters; every other trainable parameter is a point estimate trained
+    without a prior. The wrapped model is never mutated: bayeswrap keeps its own
+    copies of all tensors and evaluates the model with
+    ``torch.func.functional_call`` on a storage-free (``meta``) copy of it.
+
+    Args:
+        model: any ``nn.Module``, e.g. a pretrained timm/torchvision ResNet or ViT.
+        num_data: N, the number of training examples that scales the prior or KL
+            term (BayesDLL's ``ND * Ninflate``). Integer ≥ 1.
+        prior_std: σ of the Gaussian prior (> 0). ``None`` means no prior
+            (only for ``"map"``: maximum likelihood).
+        prior_mean: θ̄: ``"init"`` (the model's current weights), ``"zero"``, or a
+            mapping ``{parameter name: tensor}`` covering the Bayesian parameters.
+        bias: ``"informative"`` (biases share the weights' prior) or
+            ``"uninformative"`` (p(θ_b) ∝ 1: no prior/KL term for ``*.bias``).
+            MC-dropout accepts more options, see :class:`~bayeswrap.MCDropout`.
+        params: which parameters are Bayesian: ``None`` (all trainable ones), a
+            list of glob patterns over parameter names, or a callable
+            ``(name, tensor) -> bool``.
+        likelihood: ``"categorical"`` (cross-entropy on logits) or ``"gaussian"``
+            (regression, eq. 2).
+        noise_std: output noise std of the Gaussian likelihood, in target units.
+        kl_weight: multiplies the KL/prior term (BayesDLL's ``kld``); 1 is the
+            exact posterior, smaller values discount the prior (e.g. to account
+            for data augmentation).
+        chunk_size: number of posterior samples evaluated at once under ``vmap``
+            by :meth:`sample_logits`; bounds memory to ``chunk_size`` copies of
+            the Bayesian parameters.
+
+    Raises:
+        ValueError: on an unknown likelihood or bias option, ``prior_std <= 0``,
+            ``num_data < 1``, or ``params`` patterns that match nothing.
+    """
+
+    method = "base"
+    bias_options: tuple[str, ...] = ("informative", "uninformative")
+    allows_no_prior = False
+
+    def __init__(self, model: nn.Module, *, num_data: int, prior_std: float | None = 1.0, prior_mean="init",
+                 bias: str = "informative", params: ParamSelector = None, likelihood: str = "categorical",
+                 noise_std: float = 1.0, kl_weight: float = 1.0, chunk_size: int = 8):
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(num_data, bool) or not isinstance(num_data, (int, float)) or num_data < 1 \
+                or int(num_data) != num_data:
+            raise ValueError(f"num_data={num_data!r} must be an integer >= 1 (the training-set size N)")
+        if bias not in self.bias_options:
+            raise ValueError(f"bias={bias!r} is not accepted by method {self.method!r}; "
+                             f"accepted: {self.bias_options}")
+        self.num_data = int(num_data)
+        self.prior_std = check_prior_std(prior_std, allow_none=self.allows_no_prior)
+        self.kl_weight = _positive("kl_weight", kl_weight, allow_zero=True)
+        self.chunk_size = int(_positive("chunk_size", chunk_size))
+        self.bias = bias
+        self.likelihood = make_likelihood(likelihood, noise_std)
+
+        self.bayesian_names = select_parameters(model, params)
+        all_params, buffers = split_state(model)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        init = {n: all_params[n] for n in self.bayesian_names}
+        chosen = set(self.bayesian_names)
+        self.point = NamedTensors({n: t for n, t in all_params.items() if n in trainable and n not in chosen},
+                                  trainable=True)
+        self.frozen = NamedTensors({n: t for n, t in all_params.items() if n not in trainable}, trainable=False)
+        self.model_buffers = NamedTensors(buffers, trainable=False)
+        self.prior = GaussianPrior(init, self.prior_std, prior_mean, bias=self._prior_bias(bias))
+        self._skeleton = [_storage_free_copy(model)]
+        self._vmap_ok = True
+        self._init_posterior(init)
+
+    # ------------------------------------------------------------------ method hooks
+    def _prior_bias(self, bias: str) -> str:
+        """Maps the method's bias option onto the prior's ("informative"/"uninformative")."""
+        return bias
+
+    @abstractmethod
+    def _init_posterior(self, init: dict[str, torch.Tensor]) -> None:
+        """Creates the posterior's parameters from the model's current values ``init``."""
+
+    @abstractmethod
+    def _train_sample(self) -> dict[str, torch.Tensor]:
+        """One differentiable value of the Bayesian parameters for a training forward."""
+
+    @abstractmethod
+    def regularizer(self) -> torch.Tensor:
+        """KL(q || p) or −log p(θ) up to a constant, in nats (a scalar tensor)."""
+
+    @abstractmethod
+    def posterior_mean(self) -> dict[str, torch.Tensor]:
+        """E_q[θ] as ``{name: tensor of the parameter's shape}``."""
+
+    @abstractmethod
+    def posterior_std(self) -> dict[str, torch.Tensor]:
+        """Marginal standard deviations of q, ``{name: tensor of the parameter's shape}``."""
+
+    def _point_estimate(self) -> dict[str, torch.Tensor]:
+        """The centre of the current training state (used for validation while training)."""
+        return self.posterior_mean()
+
+    def is_ready(self) -> bool:
+        """Whether the posterior exists (False for Laplace before ``fit_curvature``, SGLD before samples)."""
+        return True
+
+    def after_step(self) -> None:
+        """Called by :func:`bayeswrap.fit` after every optimizer step."""
+
+    def after_fit(self, train_loader) -> None:
+        """Called by :func:`bayeswrap.fit` once training has finished."""
+
+    # ------------------------------------------------------------------ shared machinery
+    @property
+    def model(self) -> nn.Module:
+        """The storage-free copy of the wrapped module's structure used as a function."""
+        return self._skeleton[0]
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.model.train(mode)  # the structure's mode decides BatchNorm/dropout behaviour
+        return self
+
+    def param_groups(self) -> list[dict]:
+        """Optimizer parameter groups: the posterior's parameters, then the point estimates.
+
+        The point-estimate group carries ``noise_scale=0.0`` so that
+        :class:`bayeswrap.optim.SGLD` adds no Langevin noise to non-Bayesian
+        parameters; other optimizers ignore the extra key. Empty groups are omitted.
+
+        Returns:
+            A list of ``{"params": [...], "name": str, ...}`` dicts.
+        """
+        point_ids = {id(p) for p in self.point.values()}
+        posterior = [p for p in self.parameters() if id(p) not in point_ids]
+        groups = [{"params": posterior, "name": "posterior"},
+                  {"params": list(self.point.values()), "name": "point", "noise_scale": 0.0}]
+        return [g for g in groups if g["params"]]
+
+    def forward_with(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
+        """Evaluates the model with Bayesian parameters ``theta`` (point estimates as they are).
+
+        Args:
+            theta: ``{name: tensor}`` for every Bayesian parameter.
+            x: model input, e.g. images of shape (B, C, H, W).
+
+        Returns:
+            Model outputs, e.g. logits of shape (B, K).
+        """
+        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
+        return call(self.model, tensors, self.model_buffers.as_dict(), x)
+
+    def forward(self, x, num_samples: int = 0) -> torch.Tensor:
+        """Posterior predictive, see :meth:`predict`."""
+        return self.predict(x, num_samples=num_samples)
+
+    def loss(self, x, y) -> LossOutput:
+        """The per-datum training objective on a batch (negative ELBO, eq. 6 / eq. 10 / MAP).
+
+        loss = (1/S) Σ_s NLL(y | x, θ_s) + kl_weight · KL / num_data, where θ_s come from
+        ``_train_sample()`` and S is ``num_train_samples`` (1 for point methods).
+
+        Args:
+            x: inputs, e.g. (B, C, H, W) float.
+            y: targets: (B,) int64 class labels in [0, K) or (B, D) float regression targets.
+
+        Returns:
+            A :class:`LossOutput` (``loss``, ``nll``, ``kl``, ``logits``).
+
+        Raises:
+            ValueError: if class labels are out of range or targets mis-shaped.
+        """
+        num = getattr(self, "num_train_samples", 1)
+        nll = None
+        for _ in range(num):
+            out = self.forward_with(self._train_sample(), x)
+            if nll is None:
+                self.likelihood.check_targets(out, y)
+            term = self.likelihood.nll(out, y)
+            nll = term if nll is None else nll + term
+        nll = nll / num
+        kl = self.regularizer()
+        loss = nll + (self.kl_weight / self.num_data) * kl
+        return LossOutput(loss, nll, kl, out)
+
+    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """Draws θ_s ~ q(θ), s = 1..S, for the Bayesian parameters.
+
+        The default is the diagonal Gaussian N(posterior_mean, posterior_std²).
+
+        Args:
+            num_samples: S ≥ 1.
+            generator: optional ``torch.Generator`` for reproducible draws.
+
+        Returns:
+            ``{name: tensor of shape (S, *param_shape)}``.
+        """
+        num_samples = _num_samples(num_samples, minimum=1)
+        mean, std = self.posterior_mean(), self.posterior_std()
+        out = {}
+        for n, m in mean.items():
+            eps = torch.randn((num_samples, *m.shape), generator=generator, device=m.device, dtype=m.dtype)
+            out[n] = m + std[n] * eps
+        return out
+
+    def sample_logits(self, x, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Model outputs under S posterior samples.
+
+        Samples are drawn and evaluated ``chunk_size`` at a time; within a chunk
+        the forward passes run as one ``torch.func.vmap`` over samples (in train
+        mode with BatchNorm, whose in-place statistics updates cannot be vmapped,
+        they run one after another).
+
+        Args:
+            x: model input with batch size B.
+            num_samples: S ≥ 1.
+            generator: optional ``torch.Generator``.
+
+        Returns:
+            Tensor of shape (S, B, K) (or (S, B, D) for regression).
+
+        Raises:
+            NotFittedError: if the posterior does not exist yet.
+        """
+        num_samples = _num_samples(num_samples, minimum=1)
+        self._check_ready()
+        outs = []
+        for start in range(0, num_samples, self.chunk_size):
+            thetas = self.sample(min(self.chunk_size, num_samples - start), generator=generator)
+            outs.append(self._forward_many(thetas, x))
+        return torch.cat(outs, 0)
+
+    def _forward_many(self, thetas: dict[str, torch.Tensor], x) -> torch.Tensor:
+        count = next(iter(thetas.values())).shape[0]
+        sequential = count == 1 or not self._vmap_ok or (self.training and len(self.model_buffers) > 0)
+        if not sequential:
+            try:
+                return vmap(lambda th: self.forward_with(th, x), randomness="different")(thetas)
+            except Exception as err:  # an op without a batching rule: fall back once, loudly
+                self._vmap_ok = False
+                warnings.warn(f"vmap over posterior samples failed ({type(err).__name__}: {err}); "
+                              "evaluating samples one at a time", RuntimeWarning, stacklevel=3)
+        return torch.stack([self.forward_with({n: t[i] for n, t in thetas.items()}, x) for i in range(count)])
+
+    @torch.no_grad()
+    def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None):
+        """Posterior predictive p(y|x, D) ≈ (1/S) Σ_s p(y|x, θ_s) (BayesDLL eqs. 5 and 9).
+
+        Args:
+            x: model input with batch size B.
+            num_samples: S. ``0`` uses the posterior mean instead of samples
+                (BayesDLL's ``nst=0``).
+            generator: optional ``torch.Generator`` for reproducible samples.
+
+        Returns:
+            Categorical likelihood: probabilities of shape (B, K), float32,
+            averaged in probability space (rows sum to 1).
+            Gaussian likelihood: ``(mean, variance)``, each (B, D), where the
+            variance is noise_std² plus the variance of the sampled means.
+
+        Raises:
+            NotFittedError: if the posterior does not exist yet (Laplace before
+                ``fit_curvature``, SGLD before any sample was kept).
+            ValueError: if ``num_samples`` is negative or not an integer.
+        """
+        num_samples = _num_samples(num_samples, minimum=0)
+        self._check_ready()
+        if num_samples == 0:
+            outs = self.forward_with(self.posterior_mean(), x).unsqueeze(0)
+        else:
+            outs = self.sample_logits(x, num_samples, generator=generator)
+        return self._predictive(outs)
+
+    def _predictive(self, outs: torch.Tensor):
+        """Averages (S, B, ·) outputs into the predictive of the likelihood."""
+        if self.likelihood.name == "categorical":
+            return outs.float().softmax(-1).mean(0)
+        mean = outs.mean(0)
+        var = outs.var(0, unbiased=False) + self.likelihood.noise_std**2
+        return mean, var
+
+    def _check_ready(self) -> None:
+        if not self.is_ready():
+            raise NotFittedError(self._not_ready_message())
+
+    def _not_ready_message(self) -> str:
+        return f"the {self.method!r} posterior is not available yet"
+
+    # ------------------------------------------------------------------ checkpoints
+    def get_extra_state(self):
+        return {"method": self.method, "bayesian_names": list(self.bayesian_names)}
+
+    def set_extra_state(self, state):
+        if state.get("method") != self.method:
+            raise ValueError(f"checkpoint is for method {state.get('method')!r}, "
+                             f"but this model uses method {self.method!r}")
+        if list(state.get("bayesian_names", [])) != list(self.bayesian_names):
+            theirs, ours = set(state.get("bayesian_names", [])), set(self.bayesian_names)
+            raise ValueError("checkpoint's Bayesian parameters do not match this model's: "
+                             f"only in checkpoint {sorted(theirs - ours)[:8]}, "
+                             f"only in model {sorted(ours - theirs)[:8]}")
+
+
+def _storage_free_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose tensors live on the ``meta`` device (no memory)."""
+    try:
+        skeleton = copy.deepcopy(model)
+    except Exception:  # modules that cannot be deep-copied are used as-is (still never written to)
+        return model
+    return skeleton.to("meta")
+
+
+def _num_samples(value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) and not (
+            isinstance(value, float) and value.is_integer()) or value < minimum:
+        raise ValueError(f"num_samples={value!r} must be an integer >= {minimum}")
+    return int(value)
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} is not a number") from None
+    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'} and finite")
+    return v

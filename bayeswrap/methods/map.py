@@ -1,0 +1,47 @@
+"""MAP: the deterministic baseline (BayesDLL's "vanilla").
+
+The Bayesian parameters are a point estimate θ trained on
+loss = NLL + kl_weight · Σ (θ − θ̄)² / (2 σ² N): an L2 pull towards the prior
+mean θ̄, scaled exactly like the prior term of the other methods. With
+``prior_std=None`` there is no prior: plain maximum likelihood (BayesDLL's
+vanilla with wd = 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..functional import NamedTensors
+from .base import BayesianModel, register_method
+
+
+@register_method("map")
+class MAP(BayesianModel):
+    """Maximum a posteriori point estimate; the posterior is a point mass at θ.
+
+    Takes exactly the arguments of :class:`~bayeswrap.BayesianModel`
+    (``prior_std=None`` is accepted here and means no prior).
+
+    Attributes:
+        theta: the Bayesian parameters θ (trainable), initialised at the model's weights.
+    """
+
+    allows_no_prior = True
+
+    def _init_posterior(self, init):
+        self.theta = NamedTensors(init, trainable=True)
+
+    def _train_sample(self):
+        return self.theta.as_dict()
+
+    def regularizer(self) -> torch.Tensor:
+        """Σ_i (θ_i − θ̄_i)² / (2σ²): −log N(θ; θ̄, σ²I) up to a constant (0 without a prior)."""
+        return self.prior.penalty(self.theta.as_dict())
+
+    def posterior_mean(self):
+        """θ itself, ``{name: tensor}``."""
+        return self.theta.as_dict()
+
+    def posterior_std(self):
+        """Zeros: a point estimate has no spread."""
+        return {n: torch.zeros_like(t) for n, t in self.theta.items()}

@@ -1,0 +1,101 @@
+"""MC-dropout applied to parameters, towards the prior mean (BayesDLL §2.2).
+
+Each parameter is kept with probability 1 − p or reset to its prior mean:
+θ = z ⊙ m + (1 − z) ⊙ θ̄ with z ~ Bernoulli(1 − p), i.e. q(θ_i) is the spiky
+mixture (1 − p) δ(m_i) + p δ(θ̄_i). The loss is BayesDLL's eq. 10:
+
+    L(m) = NLL(y | x, θ) + kl_weight · Σ_i (1 − p_i) (m_i − θ̄_i)² / (2 σ² N).
+
+Reference: Gal & Ghahramani 2016, "Dropout as a Bayesian Approximation".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..functional import NamedTensors, is_bias
+from .base import BayesianModel, _num_samples, register_method
+
+BIAS_OPTIONS = ("informative", "uninformative", "gaussian", "spikymix", "ignore")
+
+
+@register_method("mc_dropout")
+class MCDropout(BayesianModel):
+    """Parameter dropout towards θ̄.
+
+    Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
+
+    Args:
+        p_drop: probability p ∈ [0, 1) that a parameter is reset to its prior
+            mean in a sample (BayesDLL default 0.1).
+        bias: how ``*.bias`` parameters are treated:
+            ``"informative"`` / ``"spikymix"``: like weights (dropout and the
+            (1 − p)-scaled prior term);
+            ``"gaussian"``: no dropout (p_b = 0), full Gaussian prior term
+            (the original MC-dropout);
+            ``"uninformative"``: dropout, but no prior term (p(θ_b) ∝ 1);
+            ``"ignore"``: neither dropout nor prior term.
+        num_train_samples: dropout masks per training step (≥ 1).
+
+    Raises:
+        ValueError: if ``p_drop`` is outside [0, 1) or ``bias`` unknown.
+
+    Attributes:
+        theta: the kept values m, ``{name: Parameter}``.
+    """
+
+    bias_options = BIAS_OPTIONS
+
+    def __init__(self, model, *, p_drop: float = 0.1, num_train_samples: int = 1, **kwargs):
+        try:
+            p = float(p_drop)
+        except (TypeError, ValueError):
+            raise ValueError(f"p_drop={p_drop!r} is not a number; accepted: a float in [0, 1)") from None
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"p_drop={p_drop!r} is outside [0, 1)")
+        self.p_drop = p
+        self.num_train_samples = int(num_train_samples)
+        if self.num_train_samples < 1:
+            raise ValueError(f"num_train_samples={num_train_samples!r} must be >= 1")
+        super().__init__(model, **kwargs)
+
+    def _prior_bias(self, bias):
+        return "uninformative" if bias in ("uninformative", "ignore") else "informative"
+
+    def _init_posterior(self, init):
+        self.theta = NamedTensors(init, trainable=True)
+        no_drop_bias = self.bias in ("gaussian", "ignore")
+        self.drop_prob = {n: 0.0 if (no_drop_bias and is_bias(n)) else self.p_drop for n in init}
+
+    def _masked(self, shape_prefix=(), generator=None):
+        out = {}
+        for n, m in self.theta.items():
+            p = self.drop_prob[n]
+            if p == 0.0:
+                out[n] = m.expand(*shape_prefix, *m.shape) if shape_prefix else m
+                continue
+            keep = torch.rand((*shape_prefix, *m.shape), device=m.device, generator=generator) >= p
+            out[n] = torch.where(keep, m, self.prior.mean[n])
+        return out
+
+    def _train_sample(self):
+        return self._masked()
+
+    def regularizer(self) -> torch.Tensor:
+        """Σ_i (1 − p_i)(m_i − θ̄_i)² / (2σ²), the KL approximation of eq. 10, in nats."""
+        return self.prior.penalty(self.theta.as_dict(), scale={n: 1.0 - p for n, p in self.drop_prob.items()})
+
+    def posterior_mean(self):
+        """Mixture mean (1 − p) m + p θ̄, ``{name: tensor}``."""
+        return {n: m if self.drop_prob[n] == 0 else (1 - self.drop_prob[n]) * m + self.drop_prob[n] * self.prior.mean[n]
+                for n, m in self.theta.items()}
+
+    def posterior_std(self):
+        """Mixture std sqrt(p (1 − p)) |m − θ̄|, ``{name: tensor}``."""
+        return {n: (self.drop_prob[n] * (1 - self.drop_prob[n])) ** 0.5 * (m - self.prior.mean[n]).abs()
+                for n, m in self.theta.items()}
+
+    def sample(self, num_samples, generator=None):
+        """Draws S dropout samples θ_s = z_s ⊙ m + (1 − z_s) ⊙ θ̄, ``{name: (S, *shape)}``."""
+        num_samples = _num_samples(num_samples, minimum=1)
+        return self._masked((num_samples,), generator)

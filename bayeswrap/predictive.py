@@ -1,0 +1,91 @@
+"""The posterior predictive over whole data loaders, and its evaluation.
+
+Per-batch prediction lives on the model (:meth:`BayesianModel.predict`, which
+draws S samples and evaluates them with ``vmap``); this module runs it over a
+loader and scores it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .methods.base import BayesianModel
+
+
+def model_device(bnn: BayesianModel) -> torch.device:
+    """The device the Bayesian model's tensors live on."""
+    for t in bnn.parameters():
+        return t.device
+    for t in bnn.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generator: torch.Generator | None = None,
+                   allow_point_estimate: bool = False):
+    """Posterior predictive for every example of a loader.
+
+    Args:
+        bnn: a Bayesian model (its train/eval mode is used as it is).
+        loader: iterable of ``(inputs, targets)`` batches.
+        num_samples: S (0 = posterior mean), see :meth:`BayesianModel.predict`.
+        generator: optional ``torch.Generator``.
+        allow_point_estimate: if the posterior does not exist yet (Laplace before
+            its curvature, SGLD before its first kept sample), predict with the
+            current training iterate instead of raising. Used for validation
+            during training.
+
+    Returns:
+        ``(predictive, targets)``: for a categorical likelihood ``probs`` (N, K)
+        float32 and labels (N,) int64; for a Gaussian one ``(mean, var)``
+        each (N, D) and targets (N, D). All on the CPU.
+    """
+    device = model_device(bnn)
+    preds, targets = [], []
+    for x, y in loader:
+        x = x.to(device)
+        if bnn.is_ready() or not allow_point_estimate:
+            p = bnn.predict(x, num_samples=num_samples, generator=generator)
+        else:
+            p = bnn._predictive(bnn.forward_with(bnn._point_estimate(), x).unsqueeze(0))
+        preds.append(tuple(t.cpu() for t in p) if isinstance(p, tuple) else p.cpu())
+        targets.append(y.cpu())
+    if not preds:
+        raise ValueError("the loader yielded no batches")
+    y = torch.cat(targets)
+    if isinstance(preds[0], tuple):
+        return (torch.cat([p[0] for p in preds]), torch.cat([p[1] for p in preds])), y
+    return torch.cat(preds), y
+
+
+def score(bnn: BayesianModel, predictive, targets: torch.Tensor) -> dict[str, float]:
+    """NLL and error (classification) or NLL and RMSE (regression) of a predictive.
+
+    Args:
+        bnn: the model (for its likelihood).
+        predictive: output of :func:`predict_loader`.
+        targets: the matching targets.
+
+    Returns:
+        ``{"nll": ..., "error": ...}`` for classification, with NLL the mean
+        −log p(y|x) (probabilities clamped at 1e-12); ``{"nll": ..., "rmse": ...}``
+        for regression, with NLL the Gaussian predictive NLL summed over output
+        dims and averaged over examples.
+    """
+    if bnn.likelihood.name == "categorical":
+        probs = predictive
+        p_true = probs.gather(1, targets.long().unsqueeze(1)).squeeze(1).clamp_min(1e-12)
+        return {"nll": float(-p_true.log().mean()), "error": float((probs.argmax(1) != targets).float().mean())}
+    mean, var = predictive
+    nll = 0.5 * ((targets - mean).pow(2) / var + var.log() + math.log(2 * math.pi))
+    return {"nll": float(nll.reshape(len(nll), -1).sum(1).mean()),
+            "rmse": float((targets - mean).pow(2).mean().sqrt())}
+
+
+def evaluate(bnn: BayesianModel, loader, num_samples: int = 5, **kwargs) -> dict[str, float]:
+    """:func:`score` of :func:`predict_loader` in one call (keyword arguments go to the latter)."""
+    pred, y = predict_loader(bnn, loader, num_samples, **kwargs)
+    return score(bnn, pred, y)

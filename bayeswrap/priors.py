@@ -1,0 +1,148 @@
+"""The isotropic Gaussian prior p(θ) = N(θ̄, prior_std² I) (BayesDLL eq. 1).
+
+θ̄ (``prior_mean``) is the model's current, usually pretrained, weights
+(``"init"``), zero (``"zero"``), or a user mapping. Biases either share the
+weights' prior (``bias="informative"``) or get the flat prior p(θ_b) ∝ 1
+(``"uninformative"``), which contributes no prior or KL term.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from .functional import NamedTensors, is_bias
+
+PRIOR_MEANS = ("init", "zero", "a mapping from parameter name to tensor")
+BIAS_OPTIONS = ("informative", "uninformative")
+
+
+def check_prior_std(prior_std: float | None, allow_none: bool) -> float | None:
+    """Validates ``prior_std`` (σ of eq. 1, in parameter units).
+
+    Raises:
+        ValueError: if ``prior_std`` is not a positive finite number (or ``None``
+            where ``allow_none``).
+    """
+    if prior_std is None:
+        if allow_none:
+            return None
+        raise ValueError("prior_std=None (no prior) is only accepted by method 'map'; "
+                         "accepted: a positive float")
+    try:
+        value = float(prior_std)
+    except (TypeError, ValueError):
+        raise ValueError(f"prior_std={prior_std!r} is not a number; accepted: a positive float"
+                         + (" or None" if allow_none else "")) from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"prior_std={prior_std!r} must be > 0 and finite")
+    return value
+
+
+class GaussianPrior(nn.Module):
+    """p(θ) = Π_i N(θ_i; θ̄_i, σ²) over the Bayesian parameters (BayesDLL eq. 1).
+
+    Args:
+        init: the model's current values of the Bayesian parameters, ``{name: tensor}``.
+        prior_std: σ > 0, or ``None`` for no prior at all (maximum likelihood).
+        prior_mean: ``"init"`` (θ̄ = ``init``), ``"zero"`` (θ̄ = 0), or a mapping
+            ``{name: tensor}`` that must cover every Bayesian parameter with the
+            right shape.
+        bias: ``"informative"`` or ``"uninformative"`` (see module docstring).
+
+    Raises:
+        ValueError: on an unknown ``prior_mean`` or ``bias`` option, a bad
+            ``prior_std``, or a mapping with missing, unknown or mis-shaped entries.
+    """
+
+    def __init__(self, init: Mapping[str, torch.Tensor], prior_std: float | None,
+                 prior_mean="init", bias: str = "informative"):
+        super().__init__()
+        if bias not in BIAS_OPTIONS:
+            raise ValueError(f"bias={bias!r} is not a prior option; accepted: {BIAS_OPTIONS}")
+        self.prior_std = prior_std
+        self.bias = bias
+        if isinstance(prior_mean, str):
+            if prior_mean == "init":
+                means = dict(init)
+            elif prior_mean == "zero":
+                means = {n: torch.zeros_like(t) for n, t in init.items()}
+            else:
+                raise ValueError(f"prior_mean={prior_mean!r} is not accepted; accepted: {PRIOR_MEANS}")
+        elif isinstance(prior_mean, Mapping):
+            missing = [n for n in init if n not in prior_mean]
+            unknown = [n for n in prior_mean if n not in init]
+            if missing or unknown:
+                raise ValueError(f"prior_mean mapping does not match the Bayesian parameters: "
+                                 f"missing {missing[:8]}, unknown {unknown[:8]}")
+            means = {}
+            for n, t in init.items():
+                m = torch.as_tensor(prior_mean[n], dtype=t.dtype, device=t.device)
+                if m.shape != t.shape:
+                    raise ValueError(f"prior_mean[{n!r}] has shape {tuple(m.shape)}, expected {tuple(t.shape)}")
+                means[n] = m
+        else:
+            raise ValueError(f"prior_mean={prior_mean!r} is not accepted; accepted: {PRIOR_MEANS}")
+        self.mean = NamedTensors(means, trainable=False)
+
+    def applies_to(self, name: str) -> bool:
+        """Whether parameter ``name`` has a (non-flat) prior term."""
+        return self.prior_std is not None and not (self.bias == "uninformative" and is_bias(name))
+
+    def precision(self, name: str) -> float:
+        """Prior precision 1/σ² of parameter ``name`` (0 for a flat prior)."""
+        return 1.0 / self.prior_std**2 if self.applies_to(name) else 0.0
+
+    def penalty(self, params: Mapping[str, torch.Tensor], scale: Mapping[str, float] | None = None) -> torch.Tensor:
+        """Negative log prior up to a constant: Σ_i s_i (θ_i − θ̄_i)² / (2σ²).
+
+        Args:
+            params: ``{name: tensor}`` of the Bayesian parameters.
+            scale: optional per-parameter factor s_i (MC-dropout's 1 − p, eq. 10);
+                1 by default.
+
+        Returns:
+            A scalar tensor (nats).
+        """
+        total = None
+        for n, p in params.items():
+            if not self.applies_to(n):
+                continue
+            s = 1.0 if scale is None else scale[n]
+            if s == 0:
+                continue
+            term = (s * 0.5 / self.prior_std**2) * (p - self.mean[n]).pow(2).sum()
+            total = term if total is None else total + term
+        return total if total is not None else _zero(params)
+
+    def kl(self, mean: Mapping[str, torch.Tensor], std: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Analytic KL(N(m, s²) || N(θ̄, σ²)) summed over parameters (BayesDLL eq. 7).
+
+        KL = Σ_i [ log(σ/s_i) + (s_i² + (m_i − θ̄_i)²) / (2σ²) − 1/2 ].
+        Parameters with a flat prior contribute nothing.
+
+        Args:
+            mean: ``{name: m}``.
+            std: ``{name: s}``, same shapes, s > 0.
+
+        Returns:
+            A scalar tensor (nats).
+        """
+        total = None
+        for n, m in mean.items():
+            if not self.applies_to(n):
+                continue
+            s = std[n]
+            var0 = self.prior_std**2
+            term = (0.5 / var0) * ((m - self.mean[n]).pow(2) + s.pow(2)).sum() - s.log().sum() \
+                + m.numel() * (math.log(self.prior_std) - 0.5)
+            total = term if total is None else total + term
+        return total if total is not None else _zero(mean)
+
+
+def _zero(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    ref = next(iter(tensors.values()))
+    return ref.new_zeros(())
