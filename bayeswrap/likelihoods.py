@@ -60,12 +60,12 @@ class Gaussian:
 
     def __init__(self, noise_std: float = 1.0):
         try:
-            noise_std = float(noise_std)
+            value = float(noise_std)
         except (TypeError, ValueError):
             raise ValueError(f"noise_std={noise_std!r} is not a number; accepted: a positive float") from None
-        if not (noise_std > 0 and math.isfinite(noise_std)):
+        if not (value > 0 and math.isfinite(value)):
             raise ValueError(f"noise_std={noise_std!r} must be > 0 and finite")
-        self.noise_std = noise_std
+        self.noise_std = value
 
     def check_targets(self, outputs: torch.Tensor, y: torch.Tensor) -> None:
         """Raises ValueError unless ``y`` is floating with the shape of ``outputs`` (B, D)."""

@@ -8,11 +8,12 @@ from __future__ import annotations
 import inspect
 
 from .base import METHODS, BayesianModel, LossOutput, NotFittedError, register_method
-from .laplace import Laplace
-from .map import MAP
-from .mc_dropout import MCDropout
-from .sgld import SGLD
-from .vi import VI
+# registration order = the order methods are listed in messages and docs
+from .map import MAP  # isort: skip
+from .vi import VI  # isort: skip
+from .mc_dropout import MCDropout  # isort: skip
+from .sgld import SGLD  # isort: skip
+from .laplace import Laplace  # isort: skip
 
 _COMMON = ("num_data", "prior_std", "prior_mean", "bias", "params", "likelihood", "noise_std", "kl_weight",
            "chunk_size")
