@@ -19,7 +19,8 @@ from .predictive import evaluate, model_device
 def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim.Optimizer, val_loader=None,
         scheduler=None, early_stopping_patience: int | None = None, val_num_samples: int = 0,
         autocast_dtype: torch.dtype | None = None, grad_clip_norm: float | None = None, start_epoch: int = 0,
-        on_epoch_end: Callable[[int, dict], None] | None = None, progress: bool = True) -> list[dict]:
+        on_epoch_end: Callable[[int, dict], None] | None = None, progress: bool = True,
+        finalize: bool = True) -> list[dict]:
     """Trains any :class:`BayesianModel`: the same loop for MAP, VI, MC-dropout, SGLD and Laplace.
 
     Each step minimises ``bnn.loss(x, y).loss`` with ``optimizer`` and then
@@ -46,6 +47,9 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         start_epoch: first epoch index (for resuming).
         on_epoch_end: callback ``(epoch, record)`` after each epoch (e.g. checkpointing).
         progress: show a tqdm progress bar.
+        finalize: call ``bnn.after_fit(train_loader)`` at the end (Laplace fits
+            its curvature). Pass False to finalise later, e.g. on a reloaded
+            best checkpoint.
 
     Returns:
         History: a list with one dict per epoch: ``epoch``, ``train_loss``,
@@ -124,6 +128,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             break
     if best_state is not None:
         bnn.load_state_dict(best_state)
-    bnn.after_fit(train_loader)
+    if finalize:
+        bnn.after_fit(train_loader)
     bnn.eval()
     return history

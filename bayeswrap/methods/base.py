@@ -21,7 +21,7 @@ import copy
 from abc import ABC, abstractmethod
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -193,21 +193,38 @@ class BayesianModel(nn.Module, ABC):
         self.model.train(mode)  # the structure's mode decides BatchNorm/dropout behaviour
         return self
 
-    def param_groups(self) -> list[dict]:
-        """Optimizer parameter groups: the posterior's parameters, then the point estimates.
+    def param_groups(self, head: Iterable[str] = (), lr_head: float | None = None) -> list[dict]:
+        """Optimizer parameter groups: posterior parameters, then point estimates.
 
-        The point-estimate group carries ``noise_scale=0.0`` so that
-        :class:`bayeswrap.optim.SGLD` adds no Langevin noise to non-Bayesian
-        parameters; other optimizers ignore the extra key. Empty groups are omitted.
+        Each group is split further into the model's body and the parameters
+        whose model names are in ``head`` (e.g. a new classifier, which often
+        wants a larger learning rate, as in BayesDLL's ``lr_head``). Point-estimate
+        groups carry ``noise_scale=0.0`` so that :class:`bayeswrap.optim.SGLD`
+        adds no Langevin noise to non-Bayesian parameters; other optimizers
+        ignore the extra key. Empty groups are omitted.
+
+        Args:
+            head: model parameter names (as in ``model.named_parameters()``).
+            lr_head: learning rate of the head groups (set as the group's ``lr``).
 
         Returns:
-            A list of ``{"params": [...], "name": str, ...}`` dicts.
+            ``[{"params": [...], "name": "posterior" | "posterior/head" | "point" | "point/head", ...}]``.
         """
-        point_ids = {id(p) for p in self.point.values()}
-        posterior = [p for p in self.parameters() if id(p) not in point_ids]
-        groups = [{"params": posterior, "name": "posterior"},
-                  {"params": list(self.point.values()), "name": "point", "noise_scale": 0.0}]
-        return [g for g in groups if g["params"]]
+        head = set(head)
+        groups: dict[str, dict] = {}
+        for full_name, p in self.named_parameters():
+            container, mangled = full_name.split(".", 1)
+            name = "point" if container == "point" else "posterior"
+            if mangled.replace("/", ".") in head:
+                name += "/head"
+            group = groups.setdefault(name, {"params": [], "name": name})
+            group["params"].append(p)
+            if name.startswith("point"):
+                group["noise_scale"] = 0.0
+            if name.endswith("/head") and lr_head is not None:
+                group["lr"] = lr_head
+        order = ["posterior", "posterior/head", "point", "point/head"]
+        return [groups[k] for k in order if k in groups]
 
     def forward_with(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
         """Evaluates the model with Bayesian parameters ``theta`` (point estimates as they are).

@@ -1,0 +1,163 @@
+"""Run configuration: YAML defaults plus command-line overrides, as in timm's ``train.py``.
+
+Every option is a field of :class:`RunConfig` with its default and help text;
+``configs/*.yaml`` set values, ``--key value`` flags override them, and the
+resolved configuration is saved as ``config.yaml`` beside each run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .methods import METHODS
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class RunConfig:
+    """All options of ``bayeswrap fit`` / ``compare`` (see ``bayeswrap fit --help``)."""
+
+    # data
+    dataset: str = _f("digits", "dataset: digits (bundled), pets, flowers102, imagefolder")
+    data_root: str = _f("data", "data directory (torchvision layout; imagefolder: root/train, root/test)")
+    download: bool = _f(False, "download pets/flowers102 into data_root if missing")
+    val_fraction: float = _f(0.5, "fraction of the non-test data held out for validation, in [0, 1)")
+    img_size: int = _f(0, "image side for the default transform; 0 = the model's default (224)")
+    # model
+    model: str = _f("mlp", "backbone: 'mlp', a timm name (resnet101, vit_large_patch32_224) or tv:<torchvision name>")
+    pretrained: bool = _f(False, "load pretrained weights (they become the prior mean; the new head's is zero)")
+    init_checkpoint: str = _f("", "local weights file (safetensors or torch) used as initial weights and prior mean")
+    # inference method
+    method: str = _f("vi", "inference method: " + ", ".join(METHODS))
+    prior_std: float = _f(1.0, "prior std σ of N(θ̄, σ² I) (BayesDLL prior_sig)")
+    prior_mean: str = _f("auto", "θ̄: auto (pretrained/init-checkpoint weights, else zero), init, zero")
+    bias: str = _f("informative", "bias prior: informative, uninformative (mc_dropout: gaussian, spikymix, ignore)")
+    params: str = _f("", "comma-separated glob patterns of the Bayesian parameters; empty = all")
+    kl_weight: float = _f(1.0, "weight of the KL/prior term (BayesDLL kld)")
+    num_data_inflate: float = _f(1.0, "num_data = train size x this factor (BayesDLL Ninflate)")
+    num_samples: int = _f(5, "posterior samples S for test predictions (0 = posterior mean; BayesDLL nst)")
+    init_std: float = _f(1e-3, "vi: initial posterior std")
+    num_train_samples: int = _f(1, "vi/mc_dropout: Monte Carlo samples per training step")
+    p_drop: float = _f(0.1, "mc_dropout: drop probability")
+    burn_in_epochs: float = _f(0.0, "sgld: burn-in in epochs (converted to optimizer steps)")
+    thinning: int = _f(10, "sgld: keep every n-th iterate after burn-in (optimizer steps; BayesDLL thin)")
+    noise_scale: float = _f(1.0, "sgld: Langevin noise multiplier (BayesDLL nd)")
+    curvature: str = _f("empirical_fisher", "laplace: empirical_fisher or fisher")
+    # optimisation
+    epochs: int = _f(30, "training epochs")
+    lr: float = _f(1e-2, "learning rate of the body")
+    lr_head: float = _f(0.0, "learning rate of the classifier head; 0 = same as lr")
+    momentum: float = _f(0.5, "SGD momentum (not used by sgld)")
+    batch_size: int = _f(64, "batch size")
+    seed: int = _f(0, "random seed (data split, initialisation, sampling)")
+    device: str = _f("auto", "auto (cuda if available), cpu, cuda, cuda:N")
+    amp: bool = _f(False, "bf16 autocast for forward passes")
+    num_workers: int = _f(0, "DataLoader worker processes")
+    n_bins: int = _f(15, "bins of ECE/MCE and reliability diagrams")
+    # output
+    out_dir: str = _f("runs", "parent folder of run folders")
+    run_name: str = _f("", "run folder name; empty = <dataset>-<model>-<method>")
+    resume: bool = _f(False, "continue an interrupted run from its last checkpoint")
+    overwrite: bool = _f(False, "replace an existing run folder")
+    progress: bool = _f(True, "show progress bars")
+
+    def validate(self) -> RunConfig:
+        """Checks choices and ranges.
+
+        Raises:
+            ValueError: naming the bad value and the accepted ones.
+        """
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r} is not known; accepted: {', '.join(METHODS)}")
+        if self.prior_mean not in ("auto", "init", "zero"):
+            raise ValueError(f"prior_mean={self.prior_mean!r} is not known; accepted: auto, init, zero")
+        checks = [("epochs", self.epochs >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
+                  ("lr", self.lr > 0, "> 0"), ("lr_head", self.lr_head >= 0, ">= 0"),
+                  ("momentum", 0 <= self.momentum < 1, "in [0, 1)"),
+                  ("val_fraction", 0 <= self.val_fraction < 1, "in [0, 1)"),
+                  ("prior_std", self.prior_std > 0, "> 0"), ("kl_weight", self.kl_weight >= 0, ">= 0"),
+                  ("num_data_inflate", self.num_data_inflate > 0, "> 0"),
+                  ("num_samples", self.num_samples >= 0, ">= 0"), ("n_bins", self.n_bins >= 1, ">= 1"),
+                  ("burn_in_epochs", self.burn_in_epochs >= 0, ">= 0"), ("thinning", self.thinning >= 1, ">= 1"),
+                  ("img_size", self.img_size >= 0, ">= 0"), ("num_workers", self.num_workers >= 0, ">= 0")]
+        for name, ok, rule in checks:
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                ok = False
+            if not ok:
+                raise ValueError(f"{name}={value!r} is out of range; accepted: {rule}")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The run folder name."""
+        return self.run_name or f"{self.dataset}-{self.model.replace(':', '_')}-{self.method}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def coerce(name: str, value: Any) -> Any:
+    """Converts a YAML or command-line value to the option's type.
+
+    Raises:
+        ValueError: for an unknown option or a value of the wrong type.
+    """
+    if name not in FIELDS:
+        raise ValueError(f"unknown option {name!r}; accepted: {', '.join(FIELDS)}")
+    kind = type(FIELDS[name].default)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}={value!r} is not a boolean; accepted: true, false")
+    if value is None:
+        return FIELDS[name].default
+    try:
+        if kind is int:
+            as_float = float(value)
+            if not as_float.is_integer():
+                raise ValueError
+            return int(as_float)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} is not a valid {kind.__name__}") from None
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Reads a config file into ``{option: value}``.
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: if it is not a YAML mapping or has unknown options.
+    """
+    with open(path) as fh:
+        data = yaml.safe_load(fh) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of option: value")
+    return {k.replace("-", "_"): coerce(k.replace("-", "_"), v) for k, v in data.items()}
+
+
+def resolve(config_path: str | None, overrides: dict[str, Any]) -> RunConfig:
+    """Defaults, then the YAML file, then command-line overrides; validated."""
+    values: dict[str, Any] = {}
+    if config_path:
+        values.update(load_yaml(config_path))
+    values.update({k: coerce(k, v) for k, v in overrides.items()})
+    return RunConfig(**values).validate()
