@@ -625,10 +625,12 @@ def fit_temperature(log_probs_val: ArrayLike, labels_val: ArrayLike, *, max_iter
             input, ``max_iter < 0`` or invalid ``bounds``.
 
     Example:
-        >>> fit = fit_temperature(torch.log(probs_val), labels_val, return_history=True)
-        >>> probs_test_cal = apply_temperature(torch.log(probs_test), fit.temperature)
-        >>> fit.nll_after <= fit.nll_before
-        True
+        >>> logits = 3 * torch.randn(2000, 5, generator=torch.Generator().manual_seed(0))
+        >>> labels = torch.multinomial(torch.softmax(logits / 2, 1), 1).squeeze(1)  # true T = 2
+        >>> fit = fit_temperature(torch.log_softmax(logits, 1), labels, return_history=True)
+        >>> 1.7 < fit.temperature < 2.3, fit.nll_after < fit.nll_before, fit.nlls[0] == fit.nll_before
+        (True, True, True)
+        >>> probs_calibrated = apply_temperature(torch.log_softmax(logits, 1), fit.temperature)
 
     Source:
         Guo et al. 2017, §4.2 (temperature scaling); BayesDLL arXiv:2309.12928, eqs. 22-23.
@@ -789,8 +791,14 @@ def report(probs: ArrayLike, labels: ArrayLike, *, val: Sequence[ArrayLike] | No
             ``val`` is not a pair or its K differs from the test K.
 
     Example:
-        >>> r = report(probs_test, labels_test, val=(probs_val, labels_val))
-        >>> r["T1"]["ece"], r["temperature"], r["Topt"]["ece"]
+        >>> probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
+        >>> r = report(probs, torch.tensor([0, 1, 1, 0]), val=(probs, torch.tensor([0, 0, 1, 1])))
+        >>> sorted(r)
+        ['T1', 'Topt', 'n_bins', 'n_classes', 'n_examples', 'temperature', 'val']
+        >>> sorted(r["T1"])
+        ['accuracy', 'brier', 'ece', 'ece_all_class', 'error', 'mce', 'nll']
+        >>> import json; json.dumps(r)[:40]
+        '{"n_examples": 4, "n_classes": 2, "n_bin'
 
     Source:
         Guo et al. 2017; BayesDLL arXiv:2309.12928, eqs. 20-24.

@@ -147,18 +147,17 @@ def final_reports(bnn, splits, cfg: RunConfig, num_samples: int, device) -> tupl
 
 def _write_plots(run_dir: Path, report: dict, arrays: dict, history: list[dict], cfg: RunConfig) -> None:
     probs, y = arrays["test"]
-    fig = plots.reliability_diagram(probs.double(), y, run_dir / "reliability_T1.png", n_bins=cfg.n_bins,
-                                    title=f"{cfg.method}, T = 1")
-    plots.close(fig)
+    plots.reliability_diagram(probs.double(), y, run_dir / "reliability_T1.png", n_bins=cfg.n_bins,
+                              title=f"{cfg.method}, T = 1")
     temperature = report.get("temperature")
     if arrays["val"] is not None and temperature is not None:
         scaled = calibration.apply_temperature(probs.double().clamp_min(1e-300).log(), temperature)
-        plots.close(plots.reliability_diagram(scaled, y, run_dir / "reliability_Topt.png", n_bins=cfg.n_bins,
-                                              title=f"{cfg.method}, T = {temperature:.3f}"))
+        plots.reliability_diagram(scaled, y, run_dir / "reliability_Topt.png", n_bins=cfg.n_bins,
+                                  title=f"{cfg.method}, T = {temperature:.3f}")
         fit_result = calibration.fit_temperature(arrays["val"][0].double().clamp_min(1e-300).log(), arrays["val"][1],
                                                  return_history=True)
-        plots.close(plots.temperature_curve(fit_result, run_dir / "temperature_curve.png"))
-    plots.close(plots.training_curves(history, run_dir / "training_curves.png"))
+        plots.temperature_curve(fit_result, run_dir / "temperature_curve.png")
+    plots.training_curves(history, run_dir / "training_curves.png")
 
 
 def _setup_logging(run_dir: Path) -> logging.Handler:
@@ -321,11 +320,18 @@ def _csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
-def run_compare(cfg: RunConfig, methods: list[str], sample_counts: list[int]) -> tuple[Path, list[dict]]:
-    """Every method on the same data and split; writes comparison.md/.csv and reliability.png."""
+def run_compare(config_path: str | None, overrides: dict, methods: list[str],
+                sample_counts: list[int]) -> tuple[Path, list[dict]]:
+    """Every method on the same data and split; writes comparison.md/.csv and reliability.png.
+
+    Each method's options are resolved as for ``fit`` with ``--method`` set
+    (so ``per_method`` entries apply), and each method gets its own run folder.
+    """
     unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"--methods {unknown} not known; accepted: {', '.join(METHODS)}")
+    if unknown or not methods:
+        raise ValueError(f"--methods {unknown or methods} not known; accepted: {', '.join(METHODS)}")
+    configs = {m: resolve(config_path, {**overrides, "method": m}) for m in methods}  # validate all first
+    cfg = configs[methods[0]]
     base = Path(cfg.out_dir) / (cfg.run_name or f"compare-{cfg.dataset}-{cfg.model.replace(':', '_')}")
     if base.exists() and not (cfg.overwrite or cfg.resume):
         raise ValueError(f"comparison folder {base} exists; pass --resume or --overwrite")
@@ -333,7 +339,7 @@ def run_compare(cfg: RunConfig, methods: list[str], sample_counts: list[int]) ->
         shutil.rmtree(base)
     results, diagrams = {}, []
     for method in methods:
-        run_cfg = replace(cfg, method=method, out_dir=str(base), run_name=method, overwrite=False,
+        run_cfg = replace(configs[method], out_dir=str(base), run_name=method, overwrite=False,
                           resume=cfg.resume and (base / method / "last.pt").is_file())
         run_dir, metrics = run_fit(run_cfg.validate(), sample_counts)
         results[method] = metrics
@@ -341,8 +347,8 @@ def run_compare(cfg: RunConfig, methods: list[str], sample_counts: list[int]) ->
     rows = comparison_rows(results)
     write_text(base / "comparison.md", _markdown(rows))
     write_text(base / "comparison.csv", _csv(rows))
-    plots.close(plots.image_grid([(m, d / "reliability_T1.png") for m, d in diagrams], base / "reliability.png",
-                                 title=f"Reliability, S = {sample_counts[-1]}"))
+    plots.image_grid([(m, d / "reliability_T1.png") for m, d in diagrams], base / "reliability.png",
+                     title=f"Reliability, S = {sample_counts[-1]}", columns=3)
     return base, rows
 
 
@@ -407,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{run_dir}: test error={rep['T1']['error']:.4f} ECE={rep['T1']['ece']:.4f} "
                   f"NLL={rep['T1']['nll']:.4f}")
             return 0
-        cfg = resolve(args.config, {**overrides, "method": "map"})
-        base, rows = run_compare(cfg, [m.strip() for m in args.methods.split(",") if m.strip()],
+        base, rows = run_compare(args.config, overrides, [m.strip() for m in args.methods.split(",") if m.strip()],
                                  _int_list(args.num_samples_list))
         print(_markdown(rows))
         print(f"written: {base / 'comparison.md'}, {base / 'comparison.csv'}, {base / 'reliability.png'}")

@@ -7,6 +7,7 @@ resolved configuration is saved as ``config.yaml`` beside each run.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -19,7 +20,21 @@ from .methods import METHODS
 
 
 def _f(default, help: str, **kw):
+    if isinstance(default, dict):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
+
+
+# BayesDLL's MNIST settings (its README), the defaults of the bundled digits job. vanilla's wd=1e-4 is
+# prior_std = 1/sqrt(wd * num_data) ~ 4 for the 628 digits training examples.
+BAYESDLL_PER_METHOD = {
+    "map": {"prior_std": 4.0, "num_samples": 0},
+    "vi": {"prior_std": 1.0, "kl_weight": 1e-3, "bias": "informative"},
+    "mc_dropout": {"prior_std": 1.0, "p_drop": 0.1, "kl_weight": 1e-3, "bias": "gaussian"},
+    "sgld": {"prior_std": 1.0, "num_data_inflate": 1000.0, "noise_scale": 1.0, "burn_in_epochs": 5,
+             "thinning": 10, "bias": "informative"},
+    "laplace": {"prior_std": 0.01, "num_data_inflate": 1000.0, "bias": "informative"},
+}
 
 
 @dataclass
@@ -53,11 +68,11 @@ class RunConfig:
     noise_scale: float = _f(1.0, "sgld: Langevin noise multiplier (BayesDLL nd)")
     curvature: str = _f("empirical_fisher", "laplace: empirical_fisher or fisher")
     # optimisation
-    epochs: int = _f(30, "training epochs")
-    lr: float = _f(1e-2, "learning rate of the body")
+    epochs: int = _f(40, "training epochs")
+    lr: float = _f(0.05, "learning rate of the body")
     lr_head: float = _f(0.0, "learning rate of the classifier head; 0 = same as lr")
-    momentum: float = _f(0.5, "SGD momentum (not used by sgld)")
-    batch_size: int = _f(64, "batch size")
+    momentum: float = _f(0.9, "SGD momentum (not used by sgld)")
+    batch_size: int = _f(32, "batch size")
     seed: int = _f(0, "random seed (data split, initialisation, sampling)")
     device: str = _f("auto", "auto (cuda if available), cpu, cuda, cuda:N")
     amp: bool = _f(False, "bf16 autocast for forward passes")
@@ -69,6 +84,8 @@ class RunConfig:
     resume: bool = _f(False, "continue an interrupted run from its last checkpoint")
     overwrite: bool = _f(False, "replace an existing run folder")
     progress: bool = _f(True, "show progress bars")
+    per_method: dict = _f(BAYESDLL_PER_METHOD, "per-method option overrides {method: {option: value}}, "
+                          "applied over the config file, under command-line flags (YAML mapping)")
 
     def validate(self) -> RunConfig:
         """Checks choices and ranges.
@@ -117,7 +134,21 @@ def coerce(name: str, value: Any) -> Any:
     """
     if name not in FIELDS:
         raise ValueError(f"unknown option {name!r}; accepted: {', '.join(FIELDS)}")
-    kind = type(FIELDS[name].default)
+    kind = type(FIELDS[name].default) if FIELDS[name].default is not dataclasses.MISSING else dict
+    if kind is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}={value!r} must be a mapping {{method: {{option: value}}}}")
+        for method, opts in value.items():
+            if method not in METHODS or not isinstance(opts, dict):
+                raise ValueError(f"{name}: {method!r} is not a method with an option mapping; "
+                                 f"accepted methods: {', '.join(METHODS)}")
+            for k in opts:
+                if k in ("method", "per_method"):
+                    raise ValueError(f"{name}.{method} cannot set {k!r}")
+                coerce(k, opts[k])
+        return value
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -155,9 +186,19 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def resolve(config_path: str | None, overrides: dict[str, Any]) -> RunConfig:
-    """Defaults, then the YAML file, then command-line overrides; validated."""
+    """Defaults, then the YAML file, then ``per_method[method]``, then command-line overrides; validated.
+
+    Raises:
+        ValueError: for unknown options or bad values (naming them).
+        FileNotFoundError: if ``config_path`` does not exist.
+    """
     values: dict[str, Any] = {}
     if config_path:
         values.update(load_yaml(config_path))
-    values.update({k: coerce(k, v) for k, v in overrides.items()})
+    cli = {k: coerce(k, v) for k, v in overrides.items()}
+    merged = {**values, **cli}
+    method = merged.get("method", RunConfig.method)
+    per_method = merged.get("per_method", RunConfig().per_method)
+    values.update({k: coerce(k, v) for k, v in per_method.get(method, {}).items()})
+    values.update(cli)
     return RunConfig(**values).validate()
