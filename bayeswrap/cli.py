@@ -46,7 +46,10 @@ log = logging.getLogger("bayeswrap")
 
 
 class EpochLoader:
-    """A shuffling loader whose order depends only on (seed, epoch), so resumed runs repeat it exactly."""
+    """A shuffling loader whose order depends only on (seed, epoch), so resumed runs repeat it exactly.
+
+    :func:`bayeswrap.fit` calls :meth:`set_epoch` before each epoch.
+    """
 
     def __init__(self, dataset, batch_size: int, seed: int, num_workers: int = 0):
         self.dataset, self.batch_size, self.seed, self.num_workers = dataset, batch_size, seed, num_workers
@@ -55,9 +58,11 @@ class EpochLoader:
     def __len__(self) -> int:
         return (len(self.dataset) + self.batch_size - 1) // self.batch_size
 
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        self.epoch += 1
         return iter(DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, generator=g,
                                num_workers=self.num_workers))
 
@@ -114,6 +119,10 @@ def build(cfg: RunConfig, *, for_evaluation: bool = False):
     if cfg.method == "sgld":
         steps = (len(splits.train) + cfg.batch_size - 1) // cfg.batch_size
         options["burn_in"] = round(cfg.burn_in_epochs * steps)
+        if options["burn_in"] > cfg.epochs * steps // 2:  # keep samples even in short runs
+            options["burn_in"] = cfg.epochs * steps // 2
+            log.warning("sgld: burn_in_epochs=%s leaves no samples in %d epochs; burn-in shortened to %d steps "
+                        "(half of training)", cfg.burn_in_epochs, cfg.epochs, options["burn_in"])
     bnn = wrap(model, cfg.method, num_data=num_data, prior_std=cfg.prior_std, prior_mean=prior_mean,
                bias=cfg.bias, params=patterns, kl_weight=cfg.kl_weight, **options)
     device = _device(cfg.device)
@@ -222,7 +231,7 @@ def _train_and_report(cfg, run_dir, splits, bnn, head, device, sample_counts):
         optimizer.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng"])
         state = {k: ckpt[k] for k in state}
-        start_epoch = train_loader.epoch = ckpt["epoch"]
+        start_epoch = ckpt["epoch"]
         log.info("resumed from %s at epoch %d", run_dir / "last.pt", start_epoch)
     log.info("config: %s", cfg.to_dict())
     log.info("data: %s, %d classes; Bayesian parameters: %d tensors, num_data=%d", splits.sizes(),

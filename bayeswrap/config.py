@@ -186,19 +186,25 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def resolve(config_path: str | None, overrides: dict[str, Any]) -> RunConfig:
-    """Defaults, then the YAML file, then ``per_method[method]``, then command-line overrides; validated.
+    """Resolves a run's options: defaults < ``per_method[method]`` < YAML file < command line.
+
+    The built-in ``per_method`` defaults (BayesDLL's per-method MNIST settings)
+    fill in only what the YAML file does not set. A YAML file that has its own
+    ``per_method`` mapping applies it over its plain values instead, so one
+    file can hold a comparison's shared and per-method settings.
 
     Raises:
         ValueError: for unknown options or bad values (naming them).
         FileNotFoundError: if ``config_path`` does not exist.
     """
-    values: dict[str, Any] = {}
-    if config_path:
-        values.update(load_yaml(config_path))
+    values: dict[str, Any] = load_yaml(config_path) if config_path else {}
     cli = {k: coerce(k, v) for k, v in overrides.items()}
     merged = {**values, **cli}
     method = merged.get("method", RunConfig.method)
-    per_method = merged.get("per_method", RunConfig().per_method)
-    values.update({k: coerce(k, v) for k, v in per_method.get(method, {}).items()})
-    values.update(cli)
-    return RunConfig(**values).validate()
+    per_method = merged.get("per_method", RunConfig().per_method).get(method, {})
+    per_method = {k: coerce(k, v) for k, v in per_method.items()}
+    if "per_method" in values or "per_method" in cli:
+        values = {**values, **per_method}
+    else:
+        values = {**per_method, **values}
+    return RunConfig(**{**values, **cli}).validate()

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from . import optim as bw_optim
 from .methods.base import BayesianModel
@@ -30,7 +30,8 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
 
     Args:
         bnn: the Bayesian model; batches are moved to its device.
-        train_loader: any iterable of ``(inputs, targets)`` batches (a DataLoader, a list).
+        train_loader: any iterable of ``(inputs, targets)`` batches (a DataLoader, a list);
+            if it has ``set_epoch(epoch)``, that is called before each epoch.
         epochs: total number of epochs (≥ 1).
         optimizer: any ``torch.optim`` optimizer over ``bnn.parameters()``;
             must be :class:`bayeswrap.optim.SGLD` for an SGLD model.
@@ -75,6 +76,8 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         bnn.train()
         tic = time.perf_counter()
         totals = {"loss": 0.0, "nll": 0.0, "kl": 0.0, "errors": 0.0, "n": 0}
+        if hasattr(train_loader, "set_epoch"):  # e.g. DistributedSampler-style reshuffling per epoch
+            train_loader.set_epoch(epoch)
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}/{epochs}", disable=not progress, leave=False)
         for step, (x, y) in enumerate(bar):
             x, y = x.to(device), y.to(device)

@@ -1,0 +1,155 @@
+"""The command line end to end: compare/evaluate on digits, fit on fake Pets/Flowers/image folders."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+import bayeswrap.cli as cli
+from bayeswrap.io import load_checkpoint
+from bayeswrap.models import create_model
+
+FAST = ["--progress", "false", "--batch-size", "64"]
+
+
+def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
+    out = tmp_path / "runs"
+    assert cli.main(["compare", "--epochs", "2", "--out-dir", str(out), "--num-samples", "0,3", *FAST]) == 0
+    base = out / "compare-digits-mlp"
+    rows = list(csv.DictReader(open(base / "comparison.csv")))
+    assert [(r["method"], r["num_samples"]) for r in rows] == [
+        (m, s) for m in ("map", "vi", "mc_dropout", "sgld", "laplace") for s in ("0", "3")]
+    assert (base / "comparison.md").read_text().startswith("| method | num_samples | error | ece | mce | nll")
+    assert (base / "reliability.png").stat().st_size > 10_000
+    for method in ("map", "vi", "mc_dropout", "sgld", "laplace"):
+        run = base / method
+        for name in ("config.yaml", "metrics.json", "best.pt", "last.pt", "train.log", "reliability_T1.png",
+                     "reliability_Topt.png", "temperature_curve.png", "training_curves.png"):
+            assert (run / name).is_file(), (method, name)
+        metrics = json.loads((run / "metrics.json").read_text())
+        assert [h["epoch"] for h in metrics["history"]] == [1, 2]
+        assert {"train_nll", "val_nll", "test_nll", "train_error", "val_error", "test_error"} <= set(
+            metrics["history"][0])
+        for s in (0, 3):
+            again = cli.evaluate_run(run, s)
+            saved = metrics["final"][str(s)]
+            for key in ("error", "ece", "mce", "nll", "brier"):
+                assert again["T1"][key] == pytest.approx(saved["T1"][key], rel=1e-9, abs=1e-12), (method, s, key)
+            assert again["temperature"] == pytest.approx(saved["temperature"], rel=1e-9)
+        row = next(r for r in rows if r["method"] == method and r["num_samples"] == "3")
+        assert float(row["nll"]) == pytest.approx(metrics["final"]["3"]["T1"]["nll"], rel=1e-9)
+
+
+@pytest.mark.parametrize("dataset, fixture", [("pets", "fake_pets_root"), ("flowers102", "fake_flowers_root"),
+                                              ("imagefolder", "fake_imagefolder_root")])
+def test_fit_on_image_datasets_with_tiny_timm_model(request, tmp_path, dataset, fixture):
+    if dataset == "flowers102":
+        request.getfixturevalue("skip_flowers_md5")
+    root = request.getfixturevalue(fixture)
+    if dataset == "pets":
+        root = root.parent if root.name == "oxford-iiit-pet" else root
+    if dataset == "flowers102":
+        root = root.parent if root.name == "flowers-102" else root
+    args = ["fit", "--dataset", dataset, "--data-root", str(root), "--model", "resnet18", "--img-size", "32",
+            "--method", "vi", "--epochs", "1", "--batch-size", "4", "--num-samples", "2", "--lr-head", "0.1",
+            "--out-dir", str(tmp_path / "runs"), "--progress", "false"]
+    assert cli.main(args) == 0
+    run = tmp_path / "runs" / f"{dataset}-resnet18-vi"
+    metrics = json.loads((run / "metrics.json").read_text())
+    report = metrics["final"]["2"]
+    assert 0.0 <= report["T1"]["error"] <= 1.0 and report["T1"]["nll"] > 0
+    assert report["n_classes"] >= 2
+    assert (run / "reliability_T1.png").is_file()
+
+
+def test_init_checkpoint_becomes_prior_mean(tmp_path):
+    torch.manual_seed(123)
+    weights = create_model("mlp", 10, in_features=64).state_dict()
+    path = tmp_path / "init.pt"
+    torch.save(weights, path)
+    assert cli.main(["fit", "--init-checkpoint", str(path), "--method", "vi", "--epochs", "1",
+                     "--out-dir", str(tmp_path / "runs"), *FAST]) == 0
+    state = load_checkpoint(tmp_path / "runs" / "digits-mlp-vi" / "best.pt")
+    for name, tensor in weights.items():
+        assert torch.equal(state["prior.mean." + name.replace(".", "/")], tensor), name
+
+
+def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypatch):
+    common = ["fit", "--method", "sgld", "--epochs", "3", "--burn-in-epochs", "1", "--thinning", "2",
+              "--num-samples", "3", *FAST]
+    assert cli.main(common + ["--out-dir", str(tmp_path / "a")]) == 0
+    reference = json.loads((tmp_path / "a" / "digits-mlp-sgld" / "metrics.json").read_text())
+
+    real_save, saves = cli.save_checkpoint, []
+
+    def interrupting_save(path, obj):
+        real_save(path, obj)
+        saves.append(path.name)
+        if saves.count("last.pt") == 2:
+            raise KeyboardInterrupt  # killed right after epoch 2 was checkpointed
+
+    monkeypatch.setattr(cli, "save_checkpoint", interrupting_save)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(common + ["--out-dir", str(tmp_path / "b")])
+    monkeypatch.setattr(cli, "save_checkpoint", real_save)
+    assert not (tmp_path / "b" / "digits-mlp-sgld" / "metrics.json").exists()
+    assert cli.main(common + ["--out-dir", str(tmp_path / "b"), "--resume"]) == 0
+    resumed = json.loads((tmp_path / "b" / "digits-mlp-sgld" / "metrics.json").read_text())
+    assert resumed["final"]["3"]["T1"] == reference["final"]["3"]["T1"]
+    for a, b in zip(resumed["history"], reference["history"]):
+        assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "resnet_nope"], "resnet_nope"),
+    (["--dataset", "mnist"], "dataset"),
+    (["--method", "hmc"], "method='hmc' is not known; accepted: map, vi, mc_dropout, sgld, laplace"),
+    (["--dataset", "pets", "--data-root", "/nonexistent/pets"], "--download"),
+    (["--init-checkpoint", "/nonexistent/w.pt"], "/nonexistent/w.pt"),
+    (["--lr", "abc"], "lr='abc' is not a valid float"),
+    (["--epochs", "0"], "epochs=0 is out of range; accepted: >= 1"),
+    (["--val-fraction", "1.5"], "val_fraction=1.5 is out of range"),
+    (["--bias", "gaussian"], "bias='gaussian' is not accepted by method 'vi'"),
+])
+def test_bad_input_exits_nonzero_without_run_folder(tmp_path, capsys, args, message):
+    out = tmp_path / "runs"
+    assert cli.main(["fit", "--out-dir", str(out), "--epochs", "1", *FAST, *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_existing_run_folder_needs_resume_or_overwrite(tmp_path, capsys):
+    args = ["fit", "--method", "map", "--epochs", "1", "--out-dir", str(tmp_path), *FAST]
+    assert cli.main(args) == 0
+    assert cli.main(args) == 2
+    assert "exists; pass --resume to continue it or --overwrite to replace it" in capsys.readouterr().err
+    assert cli.main(args + ["--overwrite"]) == 0
+
+
+def test_mismatched_or_unreadable_checkpoint(tmp_path, capsys):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    assert cli.main(["fit", "--init-checkpoint", str(bad), "--out-dir", str(tmp_path / "r"), *FAST]) == 2
+    assert str(bad) in capsys.readouterr().err
+    wrong = tmp_path / "wrong.pt"
+    torch.save(create_model("mlp", 10, in_features=64, hidden_sizes=(7,)).state_dict(), wrong)
+    assert cli.main(["fit", "--init-checkpoint", str(wrong), "--out-dir", str(tmp_path / "r"), *FAST]) == 2
+    assert str(wrong) in capsys.readouterr().err
+
+
+def test_nan_loss_stops_with_message(tmp_path, capsys):
+    code = cli.main(["fit", "--method", "map", "--lr", "1e12", "--epochs", "2", "--out-dir", str(tmp_path), *FAST])
+    assert code == 1
+    assert "non-finite loss" in capsys.readouterr().err
+
+
+def test_help_documents_every_option_with_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--model", "--pretrained", "--init-checkpoint", "--dataset", "--data-root", "--download",
+                 "--val-fraction", "--method", "--prior-std", "--kl-weight", "--num-samples", "--epochs", "--lr",
+                 "--lr-head", "--momentum", "--batch-size", "--seed", "--device", "--amp", "--out-dir"):
+        assert flag in text, flag
+    assert "(default: 0.5)" in text
