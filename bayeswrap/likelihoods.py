@@ -14,6 +14,11 @@ import torch.nn.functional as F
 LIKELIHOODS = ("categorical", "gaussian")
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """Upcasts half-precision outputs (e.g. under bf16 autocast); float64 stays float64."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 class Categorical:
     """Categorical likelihood on logits: −log p(y|x,θ) = cross-entropy(logits, y)."""
 
@@ -39,11 +44,11 @@ class Categorical:
 
     def nll(self, outputs: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """Cross-entropy: mean (or per-example, ``reduction="none"``) −log softmax(outputs)[y]."""
-        return F.cross_entropy(outputs.float(), y, reduction=reduction)
+        return F.cross_entropy(at_least_float32(outputs), y, reduction=reduction)
 
     def sample_targets(self, outputs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """y ~ p(y|x,θ): one label per row of ``outputs`` (B, K) → (B,)."""
-        probs = outputs.detach().float().softmax(-1)
+        probs = at_least_float32(outputs.detach()).softmax(-1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from . import calibration
 from .methods.base import BayesianModel
 
 
@@ -76,9 +77,7 @@ def score(bnn: BayesianModel, predictive, targets: torch.Tensor) -> dict[str, fl
         dims and averaged over examples.
     """
     if bnn.likelihood.name == "categorical":
-        probs = predictive
-        p_true = probs.gather(1, targets.long().unsqueeze(1)).squeeze(1).clamp_min(1e-12)
-        return {"nll": float(-p_true.log().mean()), "error": float((probs.argmax(1) != targets).float().mean())}
+        return {"nll": calibration.nll(predictive, targets), "error": 1.0 - calibration.accuracy(predictive, targets)}
     mean, var = predictive
     nll = 0.5 * ((targets - mean).pow(2) / var + var.log() + math.log(2 * math.pi))
     return {"nll": float(nll.reshape(len(nll), -1).sum(1).mean()),

@@ -106,7 +106,7 @@ def test_laplace_fisher_uses_labels_sampled_from_model():
     x = torch.randn(12, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     bnn = bw.wrap(model, "laplace", num_data=24, prior_std=1.0, curvature="fisher")
     bnn.fit_curvature([(x, torch.zeros(12, dtype=torch.long))], generator=torch.Generator().manual_seed(5))
-    probs = model(x).float().softmax(-1)
+    probs = model(x).softmax(-1)
     y = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(5)).squeeze(-1)
     fisher = _naive_fisher(model, x, y)
     for n, f in fisher.items():

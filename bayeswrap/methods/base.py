@@ -29,7 +29,7 @@ from torch import nn
 from torch.func import vmap
 
 from ..functional import NamedTensors, ParamSelector, call, select_parameters, split_state
-from ..likelihoods import make_likelihood
+from ..likelihoods import at_least_float32, make_likelihood
 from ..priors import GaussianPrior, check_prior_std
 
 METHODS: dict[str, type[BayesianModel]] = {}
@@ -342,7 +342,7 @@ class BayesianModel(nn.Module, ABC):
             generator: optional ``torch.Generator`` for reproducible samples.
 
         Returns:
-            Categorical likelihood: probabilities of shape (B, K), float32,
+            Categorical likelihood: probabilities of shape (B, K) (float32, or float64 for a float64 model),
             averaged in probability space (rows sum to 1).
             Gaussian likelihood: ``(mean, variance)``, each (B, D), where the
             variance is noise_std² plus the variance of the sampled means.
@@ -363,7 +363,7 @@ class BayesianModel(nn.Module, ABC):
     def _predictive(self, outs: torch.Tensor):
         """Averages (S, B, ·) outputs into the predictive of the likelihood."""
         if self.likelihood.name == "categorical":
-            return outs.float().softmax(-1).mean(0)
+            return at_least_float32(outs).softmax(-1).mean(0)
         mean = outs.mean(0)
         var = outs.var(0, unbiased=False) + self.likelihood.noise_std**2
         return mean, var
