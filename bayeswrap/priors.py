@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .functional import NamedTensors, is_bias
+from .fused import gaussian_penalty
 
 PRIOR_MEANS = ("init", "zero", "a mapping from parameter name to tensor")
 BIAS_OPTIONS = ("informative", "uninformative")
@@ -96,17 +97,27 @@ class GaussianPrior(nn.Module):
         """Prior precision 1/σ² of parameter ``name`` (0 for a flat prior)."""
         return 1.0 / self.prior_std**2 if self.applies_to(name) else 0.0
 
-    def penalty(self, params: Mapping[str, torch.Tensor], scale: Mapping[str, float] | None = None) -> torch.Tensor:
+    def penalty(self, params: Mapping[str, torch.Tensor], scale: Mapping[str, float] | None = None,
+                fused: bool = True) -> torch.Tensor:
         """Negative log prior up to a constant: Σ_i s_i (θ_i − θ̄_i)² / (2σ²).
 
         Args:
             params: ``{name: tensor}`` of the Bayesian parameters.
             scale: optional per-parameter factor s_i (MC-dropout's 1 − p, eq. 10);
                 1 by default.
+            fused: use the multi-tensor kernel with an analytic gradient
+                (:func:`bayeswrap.fused.gaussian_penalty`); False uses the plain
+                autograd reference. Both give the same value and gradient.
 
         Returns:
             A scalar tensor (nats).
         """
+        if fused:
+            names = [n for n in params if self.applies_to(n) and (scale is None or scale[n] != 0)]
+            if not names:
+                return _zero(params)
+            factors = [(1.0 if scale is None else scale[n]) * 0.5 / self.prior_std**2 for n in names]
+            return gaussian_penalty([params[n] for n in names], [self.mean[n] for n in names], factors)
         total = None
         for n, p in params.items():
             if not self.applies_to(n):

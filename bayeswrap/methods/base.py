@@ -176,6 +176,10 @@ class BayesianModel(nn.Module, ABC):
         """Whether the posterior exists (False for Laplace before ``fit_curvature``, SGLD before samples)."""
         return True
 
+    def _sample_and_regularizer(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """A training sample and the regulariser; methods may fuse the two (VI does)."""
+        return self._train_sample(), self.regularizer()
+
     def after_step(self) -> None:
         """Called by :func:`bayeswrap.fit` after every optimizer step."""
 
@@ -260,15 +264,15 @@ class BayesianModel(nn.Module, ABC):
             ValueError: if class labels are out of range or targets mis-shaped.
         """
         num = getattr(self, "num_train_samples", 1)
+        theta, kl = self._sample_and_regularizer()
         nll = None
-        for _ in range(num):
-            out = self.forward_with(self._train_sample(), x)
+        for i in range(num):
+            out = self.forward_with(theta if i == 0 else self._train_sample(), x)
             if nll is None:
                 self.likelihood.check_targets(out, y)
             term = self.likelihood.nll(out, y)
             nll = term if nll is None else nll + term
         nll = nll / num
-        kl = self.regularizer()
         loss = nll + (self.kl_weight / self.num_data) * kl
         return LossOutput(loss, nll, kl, out)
 
