@@ -46,7 +46,10 @@ def _sum_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 class _MeanFieldSample(torch.autograd.Function):
     """θ = m + softplus(ρ) ⊙ ε and KL(N(m, s²) || N(θ̄, σ²)) in one pass, gradients in closed form.
 
-    Inputs: ``(ctx_info, *m, *rho)``; outputs ``(*theta, kl)``.
+    Inputs: ``(info, *m, *rho)``; outputs ``(*theta, kl)``. Saved for backward:
+    m and ρ (the parameters themselves), θ (which the network keeps for its own
+    backward anyway) and s = softplus(ρ) (one parameter-sized copy, to avoid
+    recomputing the softplus). ε is recovered as (θ − m)/s.
     """
 
     @staticmethod
@@ -54,8 +57,7 @@ class _MeanFieldSample(torch.autograd.Function):
         n, prior_idx, prior_means, var0, log_std0, generator = info
         m, rho = list(tensors[:n]), list(tensors[n:])
         s = [F.softplus(r) for r in rho]
-        eps = standard_normal_like(m, generator)
-        theta = torch._foreach_addcmul(m, s, eps)
+        theta = torch._foreach_addcmul(m, s, standard_normal_like(m, generator))
         kl = m[0].new_zeros(())
         if prior_idx:
             mp, sp = [m[i] for i in prior_idx], [s[i] for i in prior_idx]
@@ -64,30 +66,29 @@ class _MeanFieldSample(torch.autograd.Function):
             count = sum(t.numel() for t in mp)
             kl = (_sum_squares(diff) + _sum_squares(sp)) / (2 * var0) - log_s + count * (log_std0 - 0.5)
         ctx.info = (n, prior_idx, prior_means, var0)
-        ctx.save_for_backward(*m, *rho, *theta)
+        ctx.save_for_backward(*m, *rho, *theta, *s)
         return (*theta, kl)
 
     @staticmethod
     def backward(ctx, *grads):
         n, prior_idx, prior_means, var0 = ctx.info
         saved = ctx.saved_tensors
-        m, rho, theta = list(saved[:n]), list(saved[n:2 * n]), list(saved[2 * n:])
-        g_theta = [torch.zeros_like(t) if g is None else g for g, t in zip(grads[:n], theta)]
-        g_kl = grads[n]
-        s = [F.softplus(r) for r in rho]
-        eps = torch._foreach_div(torch._foreach_sub(theta, m), s)
-        grad_s = list(torch._foreach_mul(g_theta, eps))  # ∂NLL/∂s = g ⊙ ε
-        grad_m = list(g_theta)  # ∂NLL/∂m = g
-        if g_kl is not None and prior_idx:
-            mp, sp = [m[i] for i in prior_idx], [s[i] for i in prior_idx]
-            # ∂KL/∂m = (m − θ̄)/σ²,  ∂KL/∂s = s/σ² − 1/s; scaled by the incoming 0-d gradient (no host sync)
-            d_m = torch._foreach_mul(torch._foreach_sub(mp, prior_means), g_kl / var0)
-            d_s = torch._foreach_sub(torch._foreach_mul(sp, 1.0 / var0), torch._foreach_reciprocal(sp))
-            torch._foreach_mul_(d_s, g_kl)
-            torch._foreach_add_([grad_s[i] for i in prior_idx], d_s)  # fresh tensors: in place is safe
-            for i, g in zip(prior_idx, torch._foreach_add([g_theta[i] for i in prior_idx], d_m)):
-                grad_m[i] = g
-        grad_rho = torch._foreach_mul(grad_s, torch._foreach_sigmoid(rho))  # softplus'(ρ) = sigmoid(ρ)
+        m, rho, theta, s = (list(saved[i * n:(i + 1) * n]) for i in range(4))
+        g = [torch.zeros_like(t) if gi is None else gi for gi, t in zip(grads[:n], theta)]
+        k = 0.0 if grads[n] is None or not prior_idx else float(grads[n])  # d loss / d KL
+        # ∂L/∂s = g ⊙ ε + k (s/σ² − 1/s) = [g ⊙ (θ − m) + k (s²/σ² − 1)] / s, with ε = (θ − m)/s
+        grad_rho = list(torch._foreach_sub(theta, m))
+        torch._foreach_mul_(grad_rho, g)
+        grad_m = list(g)  # ∂L/∂m = g + k (m − θ̄)/σ²
+        if k:
+            gp, sp = [grad_rho[i] for i in prior_idx], [s[i] for i in prior_idx]
+            torch._foreach_addcmul_(gp, sp, sp, value=k / var0)
+            torch._foreach_add_(gp, -k)
+            diff = torch._foreach_sub([m[i] for i in prior_idx], prior_means)
+            for i, gm in zip(prior_idx, torch._foreach_add([g[i] for i in prior_idx], diff, alpha=k / var0)):
+                grad_m[i] = gm
+        torch._foreach_div_(grad_rho, s)
+        torch._foreach_mul_(grad_rho, torch._foreach_sigmoid(rho))  # softplus'(ρ) = sigmoid(ρ)
         return (None, *grad_m, *grad_rho)
 
 
@@ -132,8 +133,7 @@ class _GaussianPenalty(torch.autograd.Function):
     def backward(ctx, grad):
         means, scales = ctx.info
         diff = torch._foreach_sub(list(ctx.saved_tensors), means)
-        torch._foreach_mul_(diff, [2.0 * c for c in scales])
-        torch._foreach_mul_(diff, grad)  # 0-d tensor: no host sync
+        torch._foreach_mul_(diff, [2.0 * c * float(grad) for c in scales])
         return (None, *diff)
 
 

@@ -54,12 +54,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def sgd(params, device: torch.device):
+    """The optimizer of plain training and of every SGD-trained method: fused SGD with momentum where supported."""
+    try:
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9, fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=True)
+
+
 def make_step(name: str, model: torch.nn.Module, method: str, device: torch.device, amp: bool):
     """A closure running one training step of ``method`` (``"plain"`` = the model itself)."""
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
     if method == "plain":
         net = copy.deepcopy(model).to(device).train()
-        opt = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9)
+        opt = sgd(list(net.parameters()), device)
 
         def step(x, y):
             opt.zero_grad(set_to_none=True)
@@ -73,7 +81,7 @@ def make_step(name: str, model: torch.nn.Module, method: str, device: torch.devi
     if method == "sgld":
         opt = bw.optim.SGLD(bnn.param_groups(), lr=1e-4, num_data=NUM_DATA)
     else:
-        opt = torch.optim.SGD(bnn.parameters(), lr=1e-4, momentum=0.9)
+        opt = sgd(list(bnn.parameters()), device)
 
     def step(x, y):
         opt.zero_grad(set_to_none=True)
@@ -101,20 +109,27 @@ def time_steps(args, name: str, device: torch.device) -> dict:
         for _ in range(args.warmup):
             step(x, y)
     times = {m: [] for m in steps}
+    cpu_times = {m: [] for m in steps}
     for _ in range(args.repeats):
         for m, step in steps.items():
             sync(device)
-            tic = time.perf_counter()
+            tic, cpu_tic = time.perf_counter(), time.process_time()
             step(x, y)
             sync(device)
             times[m].append(time.perf_counter() - tic)
+            cpu_times[m].append(time.process_time() - cpu_tic)
     med = {m: statistics.median(t) for m, t in times.items()}
+    cpu = {m: statistics.median(t) for m, t in cpu_times.items()}
     return {"params": sum(p.numel() for p in model.parameters()),
-            "seconds": med, "ratio": {m: med[m] / med["plain"] for m in med}, "all_seconds": times}
+            "seconds": med, "ratio": {m: med[m] / med["plain"] for m in med},
+            "cpu_seconds": cpu, "cpu_ratio": {m: cpu[m] / cpu["plain"] for m in cpu},
+            "all_seconds": times}
 
 
 def peak_memory(args, name: str, method: str, device: torch.device) -> float:
-    """Peak memory in MiB of two training steps: CUDA max-allocated, or a child process's max RSS on CPU."""
+    """Peak memory in MiB of a training step: CUDA max-allocated, or on CPU the resident-set high-water
+    mark of a fresh child process during its second step (after resetting it; it includes the model,
+    gradients, optimizer state and the ~torch runtime)."""
     if device.type == "cuda":
         model = make_model(name, args.img_size)
         x, y = batch(args.batch_size, args.img_size, device)
@@ -140,9 +155,17 @@ def child_memory(args) -> None:
     x, y = batch(args.batch_size, args.img_size, torch.device("cpu"))
     step = make_step(name, model, method, torch.device("cpu"), False)
     del model  # the plain step holds its own copy; bayeswrap holds a storage-free skeleton
-    for _ in range(2):
-        step(x, y)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    step(x, y)  # first step allocates gradients and optimizer state
+    # reset the resident-set high-water mark (Linux): importing torch peaks higher than a small model's step
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+    step(x, y)
+    with open("/proc/self/status") as fh:
+        hwm = next((int(line.split()[1]) for line in fh if line.startswith("VmHWM:")), None)
+    print((hwm or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024)
 
 
 def naive_fisher(model, x, y):
@@ -208,9 +231,13 @@ def predictive(args, name: str, device: torch.device) -> dict:
 
 def markdown(result: dict) -> str:
     cfg = result["config"]
+    device_is_cpu = result["device"].startswith("CPU")
     lines = [f"# bayeswrap benchmark ({result['device']})", "",
-             f"batch {cfg['batch_size']}, input {cfg['img_size']}x{cfg['img_size']}, amp={cfg['amp']}, "
-             f"medians of {cfg['repeats']} interleaved steps; torch {result['torch']}", "",
+             f"input {cfg['img_size']}x{cfg['img_size']}, amp={cfg['amp']}, "
+             f"medians of {cfg['repeats']} interleaved steps; torch {result['torch']}; optimizer: SGD with momentum "
+             "(fused kernel where supported) for plain training and every method (SGLD: bw.optim.SGLD)",
+             "Time ratios are wall-clock; on CPU the ratio of process CPU time is given too (robust to other load). "
+             "Peak memory: CUDA max allocated, or on CPU the max RSS of a fresh process per configuration.", "",
              "## Training step: time (ratio to plain) and peak memory (ratio to plain)", "",
              "| model | params (M) | " + " | ".join(result["config"]["methods"]) + " |",
              "|---|---|" + "---|" * len(cfg["methods"])]
@@ -219,7 +246,8 @@ def markdown(result: dict) -> str:
         for m in cfg["methods"]:
             mem = r.get("peak_mib", {}).get(m)
             mem_txt = f", {mem:.0f} MiB ({mem / r['peak_mib']['plain']:.2f}x)" if mem else ""
-            cells.append(f"{r['seconds'][m] * 1e3:.0f} ms ({r['ratio'][m]:.2f}x){mem_txt}")
+            cpu_txt = f", CPU time {r['cpu_ratio'][m]:.2f}x" if device_is_cpu else ""
+            cells.append(f"{r['seconds'][m] * 1e3:.0f} ms ({r['ratio'][m]:.2f}x{cpu_txt}){mem_txt}")
         lines.append(f"| {name} | {r['params'] / 1e6:.1f} | " + " | ".join(cells) + " |")
     if result.get("curvature"):
         c = result["curvature"]
@@ -242,20 +270,22 @@ def figure(result: dict, path: str) -> None:
 
     fig = _new_figure(figsize=(6, 4))
     ax = fig.subplots()
-    names = list(result["step"])
-    sizes = [result["step"][n]["params"] / 1e6 for n in names]
-    for m in result["config"]["methods"]:
-        if m == "plain":
-            continue
-        ax.plot(sizes, [result["step"][n]["ratio"][m] for n in names], marker="o", label=m)
-    for s, n in zip(sizes, names):
-        ax.annotate(n, (s, 1.0), fontsize=7, rotation=45)
+    for bs in sorted({r["batch_size"] for r in result["step"].values()}):
+        names = sorted((n for n, r in result["step"].items() if r["batch_size"] == bs),
+                       key=lambda n: result["step"][n]["params"])
+        sizes = [result["step"][n]["params"] / 1e6 for n in names]
+        for m in result["config"]["methods"]:
+            if m != "plain":
+                ax.plot(sizes, [result["step"][n]["ratio"][m] for n in names], marker="o",
+                        label=f"{m}, batch {bs}")
+        for size, n in zip(sizes, names):
+            ax.annotate(n.split(" ")[0], (size, 1.0), fontsize=6, rotation=45)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("parameters (millions)")
     ax.set_ylabel("step time / plain step time")
-    ax.set_title(f"bayeswrap overhead, {result['device']}, batch {result['config']['batch_size']}")
-    ax.legend()
+    ax.set_title(f"bayeswrap step-time overhead, {result['device']}", fontsize=9)
+    ax.legend(fontsize=6)
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -265,7 +295,8 @@ def main(argv=None) -> None:
     p.add_argument("--models", default="resnet18,resnet50,resnet101,vit_small_patch16_224,vit_base_patch16_224,"
                                        "vit_large_patch32_224")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="batch size of the curvature/predict sections")
+    p.add_argument("--batch-sizes", default="16", help="comma-separated batch sizes of the step section")
     p.add_argument("--img-size", type=int, default=224)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
@@ -276,7 +307,7 @@ def main(argv=None) -> None:
     p.add_argument("--curvature-model", default="resnet18")
     p.add_argument("--curvature-img-size", type=int, default=64)
     p.add_argument("--curvature-examples", type=int, default=32)
-    p.add_argument("--curvature-chunk", type=int, default=16)
+    p.add_argument("--curvature-chunk", type=int, default=32)
     p.add_argument("--curvature-repeats", type=int, default=3)
     p.add_argument("--predict-model", default="resnet50")
     p.add_argument("--num-samples", default="1,5,20")
@@ -296,13 +327,19 @@ def main(argv=None) -> None:
     result = {"device": device_name, "torch": torch.__version__, "config": {
         k: v for k, v in vars(args).items() if k != "child_memory"}, "step": {}}
     if "step" in sections:
-        for name in [m for m in args.models.split(",") if m]:
-            print(f"step: {name}", flush=True)
-            r = time_steps(args, name, device)
-            if not args.no_memory:
-                r["peak_mib"] = {m: peak_memory(args, name, m, device) for m in args.methods}
-            result["step"][name] = r
-            print(json.dumps({k: r[k] for k in ("ratio", "peak_mib") if k in r}), flush=True)
+        default_bs = args.batch_size
+        for bs in [int(b) for b in args.batch_sizes.split(",")]:
+            args.batch_size = bs
+            for name in [m for m in args.models.split(",") if m]:
+                key = f"{name} (batch {bs})"
+                print(f"step: {key}", flush=True)
+                r = time_steps(args, name, device)
+                r["batch_size"] = bs
+                if not args.no_memory:
+                    r["peak_mib"] = {m: peak_memory(args, name, m, device) for m in args.methods}
+                result["step"][key] = r
+                print(json.dumps({k: r[k] for k in ("ratio", "cpu_ratio", "peak_mib") if k in r}), flush=True)
+        args.batch_size = default_bs
     if "curvature" in sections:
         result["curvature"] = curvature(args, args.curvature_model, device)
         print(json.dumps(result["curvature"]), flush=True)
