@@ -138,7 +138,10 @@ class Laplace(MAP):
                     sl = slice(start, start + self.curvature_chunk_size)
                     with torch.enable_grad():
                         g = self.per_example_grads(x[sl], y[sl], theta)
-                    torch._foreach_add_(list(fisher.values()), [g[n].pow(2).sum(0) for n in fisher])
+                    # Σ_n g_n² as a squared norm over the example dim: one read of the (chunk, *shape)
+                    # gradients, no chunk-sized temporary
+                    torch._foreach_add_(list(fisher.values()),
+                                        [torch.linalg.vector_norm(g[n], dim=0).square_() for n in fisher])
                 seen += x.shape[0]
         finally:
             self.train(was_training)
