@@ -13,17 +13,21 @@ from .methods import (
     SGLD,
     VI,
     BayesianModel,
+    KingmaVD,
     Laplace,
     LossOutput,
     MCDropout,
     NotFittedError,
+    SparseVD,
     method_options,
     wrap,
 )
+from . import schedules, sparsity  # isort: skip  (after .methods: sparsity imports methods.base)
 from .predictive import evaluate, predict_loader
 from .training import fit
 
 __version__ = "0.1.0"
 
 __all__ = ["wrap", "fit", "evaluate", "predict_loader", "BayesianModel", "LossOutput", "NotFittedError", "METHODS",
-           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "optim", "__version__"]
+           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "SparseVD", "KingmaVD", "optim", "schedules",
+           "sparsity", "__version__"]

@@ -296,6 +296,7 @@ def evaluate_run(run_dir: str | Path, num_samples: int | None = None) -> dict:
     return report
 
 
+BAYESDLL_METHODS = ("map", "vi", "mc_dropout", "sgld", "laplace")
 COMPARE_COLUMNS = ("method", "num_samples", "error", "ece", "mce", "nll", "ece_Topt", "nll_Topt", "temperature")
 
 
@@ -394,7 +395,9 @@ def make_parser() -> argparse.ArgumentParser:
     _add_config_options(p_fit)
     p_cmp = sub.add_parser("compare", help="run several methods on the same data and split; write a table")
     _add_config_options(p_cmp, skip=("method", "num_samples"))
-    p_cmp.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods (default: all)")
+    p_cmp.add_argument("--methods", default=",".join(BAYESDLL_METHODS),
+                       help=f"comma-separated methods (default: {','.join(BAYESDLL_METHODS)}; also: "
+                            f"{','.join(m for m in METHODS if m not in BAYESDLL_METHODS)})")
     p_cmp.add_argument("--num-samples", default="0,5", dest="num_samples_list",
                        help="comma-separated posterior sample counts S (default: 0,5)")
     p_ev = sub.add_parser("evaluate", help="re-evaluate a saved run with another number of samples")

@@ -14,13 +14,14 @@ from . import optim as bw_optim
 from .methods.base import BayesianModel
 from .methods.sgld import SGLD
 from .predictive import evaluate, model_device
+from .schedules import check_factor
 
 
 def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim.Optimizer, val_loader=None,
         scheduler=None, early_stopping_patience: int | None = None, val_num_samples: int = 0,
         autocast_dtype: torch.dtype | None = None, grad_clip_norm: float | None = None, start_epoch: int = 0,
         on_epoch_end: Callable[[int, dict], None] | None = None, progress: bool = True,
-        finalize: bool = True) -> list[dict]:
+        finalize: bool = True, kl_schedule: Callable[[int], float] | None = None) -> list[dict]:
     """Trains any :class:`BayesianModel`: the same loop for MAP, VI, MC-dropout, SGLD and Laplace.
 
     Each step minimises ``bnn.loss(x, y).loss`` with ``optimizer`` and then
@@ -51,11 +52,17 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         finalize: call ``bnn.after_fit(train_loader)`` at the end (Laplace fits
             its curvature). Pass False to finalise later, e.g. on a reloaded
             best checkpoint.
+        kl_schedule: optional KL annealing, a callable ``epoch -> factor`` (0-based
+            epoch, factor ≥ 0), e.g. :class:`bayeswrap.schedules.KLSchedule`. During
+            an epoch the loss uses ``factor · bnn.kl_weight``; ``bnn.kl_weight``
+            itself is left unchanged. Works for every method (it scales the
+            KL/prior term).
 
     Returns:
         History: a list with one dict per epoch: ``epoch``, ``train_loss``,
         ``train_nll``, ``train_kl``, ``train_error`` (classification), ``lr``,
-        ``seconds``, and ``val_nll``/``val_error`` (or ``val_rmse``) with a val loader.
+        ``seconds``, ``kl_factor`` (the schedule's factor, 1.0 without one), and
+        ``val_nll``/``val_error`` (or ``val_rmse``) with a val loader.
 
     Raises:
         ValueError: if an SGLD model is paired with another optimizer, or
@@ -76,6 +83,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         bnn.train()
         tic = time.perf_counter()
         totals = {"loss": 0.0, "nll": 0.0, "kl": 0.0, "errors": 0.0, "n": 0}
+        kl_factor = 1.0 if kl_schedule is None else check_factor(kl_schedule(epoch), "kl_schedule")
         if hasattr(train_loader, "set_epoch"):  # e.g. DistributedSampler-style reshuffling per epoch
             train_loader.set_epoch(epoch)
         bar = tqdm(train_loader, desc=f"epoch {epoch + 1}/{epochs}", disable=not progress, leave=False)
@@ -84,7 +92,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16,
                                 enabled=autocast_dtype is not None):
-                out = bnn.loss(x, y)
+                out = _loss(bnn, x, y, kl_factor)
             loss_value = out.loss.item()
             if not math.isfinite(loss_value):
                 if best_state is not None:
@@ -111,7 +119,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             scheduler.step()
         record = {"epoch": epoch + 1, "train_loss": totals["loss"] / totals["n"],
                   "train_nll": totals["nll"] / totals["n"], "train_kl": totals["kl"] / totals["n"],
-                  "lr": optimizer.param_groups[0]["lr"], "seconds": time.perf_counter() - tic}
+                  "lr": optimizer.param_groups[0]["lr"], "seconds": time.perf_counter() - tic, "kl_factor": kl_factor}
         if classification:
             record["train_error"] = totals["errors"] / totals["n"]
         if val_loader is not None:
@@ -135,3 +143,15 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         bnn.after_fit(train_loader)
     bnn.eval()
     return history
+
+
+def _loss(bnn: BayesianModel, x, y, kl_factor: float):
+    """``bnn.loss(x, y)`` with the KL weight scaled by ``kl_factor`` for this call only."""
+    if kl_factor == 1.0:
+        return bnn.loss(x, y)
+    full = bnn.kl_weight
+    bnn.kl_weight = full * kl_factor
+    try:
+        return bnn.loss(x, y)
+    finally:
+        bnn.kl_weight = full

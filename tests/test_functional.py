@@ -64,3 +64,27 @@ def test_frozen_parameters_are_constants():
     bnn = bw.wrap(model, "map", num_data=10)
     assert "0.weight" not in bnn.bayesian_names and "0.weight" in bnn.frozen
     assert all(p is not bnn.frozen["0.weight"] for p in bnn.parameters())
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 4, bias=False)
+        self.out = nn.Linear(4, 4, bias=False)
+        self.out.weight = self.embed.weight  # tied, as in language models
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.embed(x)))
+
+
+def test_tied_parameters_stay_tied():
+    torch.manual_seed(0)
+    model = _Tied()
+    bnn = bw.wrap(model, "vi", num_data=10, init_std=0.01)
+    assert bnn.bayesian_names == ["embed.weight"]
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(bnn.forward_with(bnn.posterior_mean(), x), model(x))
+    out = bnn.loss(x, torch.tensor([0, 1, 2]))
+    out.loss.backward()  # gradients flow through both uses of the tied weight
+    assert bnn.mean["embed.weight"].grad.abs().sum() > 0
+    assert bnn.model.out.weight is bnn.model.embed.weight and bnn.model.out.weight.is_meta

@@ -14,6 +14,7 @@ from .vi import VI  # isort: skip
 from .mc_dropout import MCDropout  # isort: skip
 from .sgld import SGLD  # isort: skip
 from .laplace import Laplace  # isort: skip
+from .sparse_vd import KingmaVD, SparseVD  # isort: skip  (issue 6: log-uniform prior, sparsification)
 
 _COMMON = ("num_data", "prior_std", "prior_mean", "bias", "params", "likelihood", "noise_std", "kl_weight",
            "chunk_size")
@@ -81,4 +82,4 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
 
 
 __all__ = ["METHODS", "BayesianModel", "LossOutput", "NotFittedError", "register_method", "wrap",
-           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace"]
+           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "SparseVD", "KingmaVD"]

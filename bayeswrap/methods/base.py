@@ -395,12 +395,21 @@ class BayesianModel(nn.Module, ABC):
 
 
 def _storage_free_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose tensors live on the ``meta`` device (no memory)."""
+    """A deep copy of ``model`` whose parameters and buffers live on the ``meta`` device (no memory).
+
+    The copy is made with a ``deepcopy`` memo that maps every tensor to a meta
+    tensor of the same shape, so tied parameters stay tied and no real
+    parameter memory is duplicated, even transiently.
+    """
+    memo = {}
+    for t in model.parameters():
+        memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
     try:
-        skeleton = copy.deepcopy(model)
+        return copy.deepcopy(model, memo)
     except Exception:  # modules that cannot be deep-copied are used as-is (still never written to)
         return model
-    return skeleton.to("meta")
 
 
 def _num_samples(value, minimum: int) -> int:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ..functional import NamedTensors
+from ..fused import mean_field_sample, standard_normal_like
+from ..sparsity import SparsityMixin
 from .base import BayesianModel, _positive, register_method
 
 
@@ -28,7 +30,7 @@ def inverse_softplus(value: float) -> float:
 
 
 @register_method("vi")
-class VI(BayesianModel):
+class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_deterministic (bayeswrap.sparsity)
     """Mean-field Gaussian VI over the Bayesian parameters.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
@@ -39,14 +41,18 @@ class VI(BayesianModel):
             BayesDLL starts at s = 1e-6 with a clamped direct parameterisation;
             with s = softplus(ρ) a start of 1e-3 keeps ρ's gradient usable.
         num_train_samples: Monte Carlo samples of θ per training step (≥ 1).
+        fused: draw the sample and the KL with the fused multi-tensor kernel
+            and closed-form gradients (:func:`bayeswrap.fused.mean_field_sample`);
+            False uses the plain autograd reference. Same values and gradients.
 
     Attributes:
         mean: variational means m, ``{name: Parameter}``.
         rho: softplus-inverse of the stds, ``{name: Parameter}``.
     """
 
-    def __init__(self, model, *, init_std: float = 1e-3, num_train_samples: int = 1, **kwargs):
+    def __init__(self, model, *, init_std: float = 1e-3, num_train_samples: int = 1, fused: bool = True, **kwargs):
         self.init_std = _positive("init_std", init_std)
+        self.fused = bool(fused)
         self.num_train_samples = int(_positive("num_train_samples", num_train_samples))
         super().__init__(model, **kwargs)
 
@@ -56,11 +62,18 @@ class VI(BayesianModel):
         self.rho = NamedTensors({n: torch.full_like(t, rho0) for n, t in init.items()}, trainable=True)
 
     def _train_sample(self):
-        out = {}
-        for n, m in self.mean.items():
-            s = F.softplus(self.rho[n])
-            out[n] = m + s * torch.randn_like(m)
-        return out
+        means = self.mean.values()
+        eps = standard_normal_like(means)
+        return {n: m + F.softplus(r) * e for n, m, r, e in zip(self.mean.keys(), means, self.rho.values(), eps)}
+
+    def _sample_and_regularizer(self):
+        if not self.fused:
+            return super()._sample_and_regularizer()
+        names = self.mean.keys()
+        prior_idx = [i for i, n in enumerate(names) if self.prior.applies_to(n)]
+        theta, kl = mean_field_sample(self.mean.values(), self.rho.values(), prior_idx,
+                                      [self.prior.mean[names[i]] for i in prior_idx], self.prior_std)
+        return dict(zip(names, theta)), kl
 
     def regularizer(self) -> torch.Tensor:
         """Analytic KL(N(m, s²) || N(θ̄, σ²)) in nats (BayesDLL eq. 7)."""
