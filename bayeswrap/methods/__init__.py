@@ -46,7 +46,9 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
 
     Args:
         model: any ``torch.nn.Module``.
-        method: one of ``"map"``, ``"vi"``, ``"mc_dropout"``, ``"sgld"``, ``"laplace"``.
+        method: one of ``"map"``, ``"vi"``, ``"mc_dropout"``, ``"sgld"``, ``"laplace"``, or the
+            sparsifying variational-dropout methods ``"sparse_vd"`` (Molchanov et al. 2017) and
+            ``"kingma_vd"`` (Kingma et al. 2015).
         num_data: N, the training-set size that scales the prior/KL term.
         prior_std: prior σ (> 0); ``None`` (only with ``"map"``) for no prior.
         prior_mean: ``"init"``, ``"zero"`` or ``{name: tensor}``.
@@ -59,7 +61,8 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
             the method's own options (see :func:`method_options`):
             vi: ``init_std``, ``num_train_samples``; mc_dropout: ``p_drop``,
             ``num_train_samples``; sgld: ``burn_in``, ``thinning``; laplace:
-            ``curvature``, ``curvature_chunk_size``.
+            ``curvature``, ``curvature_chunk_size``; sparse_vd: ``init_log_var``;
+            kingma_vd: ``init_log_alpha`` (``method_options(name)`` lists them all).
 
     Returns:
         The :class:`BayesianModel` of the chosen method.
