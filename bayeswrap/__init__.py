@@ -23,11 +23,12 @@ from .methods import (
     wrap,
 )
 from . import schedules, sparsity  # isort: skip  (after .methods: sparsity imports methods.base)
+from .schedules import KLSchedule  # isort: skip
 from .predictive import evaluate, predict_loader
 from .training import fit
 
 __version__ = "0.1.0"
 
 __all__ = ["wrap", "fit", "evaluate", "predict_loader", "BayesianModel", "LossOutput", "NotFittedError", "METHODS",
-           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "SparseVD", "KingmaVD", "optim", "schedules",
+           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "SparseVD", "KingmaVD", "optim", "schedules", "KLSchedule",
            "sparsity", "__version__"]
