@@ -44,6 +44,8 @@ in the forward pass and by projecting the parameter after every optimizer step.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import math
 
 import torch
@@ -114,14 +116,17 @@ class _LogUniformVD(SparsityMixin, BayesianModel):
         self.keep = NamedTensors({n: torch.ones_like(t, dtype=torch.bool) for n, t in init.items()},
                                  trainable=False)
 
-    def _theta(self):
-        raise NotImplementedError
+    @abstractmethod
+    def _theta(self) -> dict[str, torch.Tensor]:
+        """The weight means θ, ``{name: tensor}``."""
 
+    @abstractmethod
     def _std(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The weight stds σ, ``{name: tensor}``."""
 
+    @abstractmethod
     def _kl_elementwise(self, name: str) -> torch.Tensor:
-        raise NotImplementedError
+        """The approximate KL of every weight of parameter ``name``, its shape."""
 
     def regularizer(self) -> torch.Tensor:
         """Σ over unpruned weights with a prior of the approximate KL, in nats (see the module docstring).
