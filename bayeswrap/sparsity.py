@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .methods.base import BayesianModel, NotFittedError
+from .methods.base import BayesianModel, NotFittedError, finite_float
 
 RULES = ("log_alpha", "snr")
 DEFAULT_THRESHOLDS = {"log_alpha": 3.0, "snr": 0.83}
@@ -154,12 +154,7 @@ def check_rule(rule: str | None, threshold: float | None, default_rule: str = "s
         raise ValueError(f"rule={rule!r} is not known; accepted: {RULES}")
     if threshold is None:
         return rule, DEFAULT_THRESHOLDS[rule]
-    try:
-        t = float(threshold)
-    except (TypeError, ValueError):
-        raise ValueError(f"threshold={threshold!r} is not a number") from None
-    if not math.isfinite(t):
-        raise ValueError(f"threshold={threshold!r} must be finite")
+    t = finite_float("threshold", threshold)
     if rule == "log_alpha" and t < 0:
         raise ValueError(f"threshold={threshold!r} has the wrong sign for rule 'log_alpha': it must be >= 0 "
                          "(log α > threshold prunes; a negative threshold would prune weights whose mean "

@@ -419,6 +419,17 @@ def _num_samples(value, minimum: int) -> int:
     return int(value)
 
 
+def finite_float(name: str, value) -> float:
+    """``float(value)``, or a ValueError naming ``name`` if it is not a finite number."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r} is not a number") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{name}={value!r} must be finite")
+    return v
+
+
 def _positive(name: str, value, allow_zero: bool = False) -> float:
     try:
         v = float(value)

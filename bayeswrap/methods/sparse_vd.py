@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from ..functional import NamedTensors, is_bias
 from ..sparsity import SparsityMixin
-from .base import BayesianModel, _num_samples, _positive, register_method
+from .base import BayesianModel, _num_samples, _positive, finite_float, register_method
 
 K1, K2, K3 = 0.63576, 1.87320, 1.48695
 C1, C2, C3 = 1.16145124, -1.50204118, 0.58629921
@@ -200,13 +200,7 @@ class SparseVD(_LogUniformVD):
 
     def __init__(self, model, *, init_log_var: float = -10.0, prior: str = "log_uniform",
                  num_train_samples: int = 1, **kwargs):
-        try:
-            v = float(init_log_var)
-        except (TypeError, ValueError):
-            raise ValueError(f"init_log_var={init_log_var!r} is not a number") from None
-        if not math.isfinite(v):
-            raise ValueError(f"init_log_var={init_log_var!r} must be finite (log σ², e.g. -10)")
-        self.init_log_var = v
+        self.init_log_var = finite_float("init_log_var", init_log_var)  # log σ², e.g. -10
         super().__init__(model, prior=prior, num_train_samples=num_train_samples, **kwargs)
 
     def _init_posterior(self, init):
@@ -256,11 +250,8 @@ class KingmaVD(_LogUniformVD):
 
     def __init__(self, model, *, init_log_alpha: float = -4.0, prior: str = "log_uniform",
                  num_train_samples: int = 1, **kwargs):
-        try:
-            v = float(init_log_alpha)
-        except (TypeError, ValueError):
-            raise ValueError(f"init_log_alpha={init_log_alpha!r} is not a number") from None
-        if not (math.isfinite(v) and v <= 0):
+        v = finite_float("init_log_alpha", init_log_alpha)
+        if v > 0:
             raise ValueError(f"init_log_alpha={init_log_alpha!r} must be finite and <= 0 (α ≤ 1)")
         self.init_log_alpha = v
         super().__init__(model, prior=prior, num_train_samples=num_train_samples, **kwargs)
