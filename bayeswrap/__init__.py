@@ -22,7 +22,7 @@ from .methods import (
     method_options,
     wrap,
 )
-from . import schedules, sparsity  # isort: skip  (after .methods: sparsity imports methods.base)
+from . import calibration, evaluation, schedules, sparsity  # isort: skip  (after .methods: sparsity imports methods.base)
 from .schedules import KLSchedule  # isort: skip
 from .predictive import evaluate, predict_loader
 from .training import fit
@@ -31,4 +31,4 @@ __version__ = "0.1.0"
 
 __all__ = ["wrap", "fit", "evaluate", "predict_loader", "BayesianModel", "LossOutput", "NotFittedError", "METHODS",
            "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "SparseVD", "KingmaVD", "optim", "schedules", "KLSchedule",
-           "sparsity", "__version__"]
+           "sparsity", "calibration", "evaluation", "__version__"]

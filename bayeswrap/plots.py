@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import calibration as cal
+from .evaluation import calibration as cal
 from .io import atomic_write
 
 __all__ = ["reliability_diagram", "temperature_curve", "training_curves", "image_grid", "save_figure"]
@@ -180,7 +180,7 @@ def temperature_curve(history: Any, path: str | os.PathLike | None = None, *, ti
         ValueError: if ``history`` is of the wrong type, empty, or its lists differ in length.
 
     Example:
-        >>> from bayeswrap.calibration import fit_temperature
+        >>> from bayeswrap.evaluation.calibration import fit_temperature
         >>> logits = 3 * torch.randn(1000, 5)
         >>> labels = torch.multinomial(torch.softmax(logits / 2, 1), 1).squeeze(1)
         >>> fit = fit_temperature(logits, labels, return_history=True)

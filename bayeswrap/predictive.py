@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from . import calibration
+from .evaluation import calibration
 from .methods.base import BayesianModel
 
 
