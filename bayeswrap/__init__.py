@@ -22,13 +22,13 @@ from .methods import (
     method_options,
     wrap,
 )
-from . import calibration, evaluation, schedules, sparsity  # isort: skip  (after .methods: sparsity imports methods.base)
+from . import calibration, evaluation, schedules, sparsity, uncertainty  # isort: skip  (after .methods: sparsity imports methods.base)
 from .schedules import KLSchedule  # isort: skip
-from .predictive import evaluate, predict_loader
+from .predictive import evaluate, predict_loader, sample_probs_loader
 from .training import fit
 
 __version__ = "0.1.0"
 
-__all__ = ["wrap", "fit", "evaluate", "predict_loader", "BayesianModel", "LossOutput", "NotFittedError", "METHODS",
+__all__ = ["wrap", "fit", "evaluate", "predict_loader", "sample_probs_loader", "BayesianModel", "LossOutput", "NotFittedError", "METHODS",
            "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "SparseVD", "KingmaVD", "optim", "schedules", "KLSchedule",
-           "sparsity", "calibration", "evaluation", "__version__"]
+           "sparsity", "calibration", "evaluation", "uncertainty", "__version__"]

@@ -2,14 +2,16 @@
 
 A thin layer over the library: resolve the config (YAML + ``--key value``
 overrides), load data and backbone, ``wrap`` it, ``fit`` it, score the posterior
-predictive with :mod:`bayeswrap.calibration`, and write the run folder::
+predictive with :mod:`bayeswrap.evaluation.protocol` (in distribution, under
+rotation and noise shift, against held-out classes), and write the run folder::
 
     out_dir/<run-name>/
         config.yaml        the fully resolved config
-        metrics.json       per-epoch history and the final calibration reports
+        metrics.json       per-epoch history and the final reports (calibration, selective, gamma, shift, ood)
         best.pt            best-validation checkpoint (torch.load(..., weights_only=True))
         last.pt            last epoch's checkpoint (for --resume)
-        reliability_T1.png, reliability_Topt.png, temperature_curve.png, training_curves.png
+        reliability_T1.png, reliability_Topt.png, temperature_curve.png, training_curves.png,
+        shift.png, risk_coverage.png, gamma.png
         train.log
 
 Every file is written atomically.
@@ -30,7 +32,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from . import calibration, plots
+from . import plots
+from .evaluation import calibration, protocol
+from .evaluation.shift import hold_out_classes, shifted_dataset
 from .config import FIELDS, RunConfig, coerce, load_yaml, resolve
 from .data import DataError, load_data
 from .functional import select_parameters
@@ -39,7 +43,7 @@ from .methods import METHODS, method_options, wrap
 from .models import create_model, data_config, head_parameter_names
 from .optim import SGLD
 from .predictive import evaluate as evaluate_loader
-from .predictive import predict_loader
+from .predictive import sample_probs_loader
 from .training import fit
 
 log = logging.getLogger("bayeswrap")
@@ -82,8 +86,12 @@ def build(cfg: RunConfig, *, for_evaluation: bool = False):
     With ``for_evaluation`` no pretrained weights are fetched: the checkpoint
     about to be loaded holds every tensor.
 
+    With held-out classes (``cfg.ood_classes``) the splits hold only the kept
+    classes, relabelled 0..K'-1, and the model has K' outputs.
+
     Returns:
-        ``(splits, bnn, head_names, device)``.
+        ``(splits, ood_test, bnn, head_names, device)``; ``ood_test`` is the dataset
+        of held-out-class test examples, or None.
     """
     torch.manual_seed(cfg.seed)
     is_mlp = cfg.model == "mlp"
@@ -96,13 +104,19 @@ def build(cfg: RunConfig, *, for_evaluation: bool = False):
     extra = {}
     if is_mlp:
         extra["in_features"] = int(torch.Size(splits.input_shape).numel())
-    elif cfg.dataset == "digits" and not cfg.model.startswith("tv:"):
+    elif cfg.dataset in ("digits", "mnist5k") and not cfg.model.startswith("tv:"):
         extra["in_chans"] = 1
+    held_out = cfg.held_out_classes(splits.name)
+    ood_test = None
+    if held_out:
+        splits, ood_test = hold_out_classes(splits, held_out)
     model = create_model(cfg.model, splits.num_classes, pretrained=pretrained, init_checkpoint=init_checkpoint,
                          **extra)
     if cfg.pretrained and not is_mlp:
         splits = load_data(cfg.dataset, root=cfg.data_root, download=cfg.download, val_fraction=cfg.val_fraction,
                            seed=cfg.seed, data_config=data_config(model))
+        if held_out:
+            splits, ood_test = hold_out_classes(splits, held_out)
     head = head_parameter_names(model)
     patterns = [p.strip() for p in cfg.params.split(",") if p.strip()] or None
     bayesian = select_parameters(model, patterns)
@@ -119,54 +133,97 @@ def build(cfg: RunConfig, *, for_evaluation: bool = False):
     if cfg.method == "sgld":
         steps = (len(splits.train) + cfg.batch_size - 1) // cfg.batch_size
         options["burn_in"] = round(cfg.burn_in_epochs * steps)
-        if options["burn_in"] > cfg.epochs * steps // 2:  # keep samples even in short runs
-            options["burn_in"] = cfg.epochs * steps // 2
-            log.warning("sgld: burn_in_epochs=%s leaves no samples in %d epochs; burn-in shortened to %d steps "
-                        "(half of training)", cfg.burn_in_epochs, cfg.epochs, options["burn_in"])
+        # keep samples even in short runs: burn-in at most half of training, and one thinning interval before the end
+        longest = max(0, min(cfg.epochs * steps // 2, cfg.epochs * steps - cfg.thinning))
+        if options["burn_in"] > longest:
+            options["burn_in"] = longest
+            log.warning("sgld: burn_in_epochs=%s leaves too few samples in %d epochs; burn-in shortened to %d steps",
+                        cfg.burn_in_epochs, cfg.epochs, options["burn_in"])
     bnn = wrap(model, cfg.method, num_data=num_data, prior_std=cfg.prior_std, prior_mean=prior_mean,
                bias=cfg.bias, params=patterns, kl_weight=cfg.kl_weight, **options)
     device = _device(cfg.device)
-    return splits, bnn.to(device), head, device
+    return splits, ood_test, bnn.to(device), head, device
 
 
 def _eval_loader(dataset, cfg: RunConfig):
     return DataLoader(dataset, batch_size=max(cfg.batch_size, 128), shuffle=False, num_workers=cfg.num_workers)
 
 
-def final_reports(bnn, splits, cfg: RunConfig, num_samples: int, device) -> tuple[dict, dict]:
-    """Calibration report of the posterior predictive with S samples on test (T fitted on val).
+def final_reports(bnn, splits, ood_test, cfg: RunConfig, num_samples: int, device) -> tuple[dict, dict]:
+    """The evaluation protocol of the posterior predictive with S samples.
 
-    Sampling uses a generator seeded by ``cfg.seed``, so ``evaluate`` recomputes
-    exactly the same numbers from the saved checkpoint.
+    In distribution on test (temperature fitted on val), under every shift of
+    ``cfg`` (rotation, noise; each shifted test set scored at T = 1 and at the
+    in-distribution T) and against the held-out classes. Sampling uses
+    generators seeded by ``cfg.seed`` (a fresh one per shifted set), so
+    ``evaluate`` recomputes exactly the same numbers from the saved checkpoint.
 
     Returns:
-        ``(report, arrays)`` with arrays holding the probabilities and labels used.
+        ``(report, arrays)``: the report of
+        :func:`bayeswrap.evaluation.protocol.prediction_report` with ``num_samples``,
+        ``shift`` and ``ood`` added, and the predictive probabilities and labels used.
     """
     bnn.eval()
+
+    def predict(dataset, seed_offset: int = 0):
+        gen = torch.Generator(device=device).manual_seed(cfg.seed + seed_offset)
+        return sample_probs_loader(bnn, _eval_loader(dataset, cfg), num_samples, generator=gen)
+
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    probs_test, y_test = predict_loader(bnn, _eval_loader(splits.test, cfg), num_samples, generator=gen)
-    val = None
-    if len(splits.val):
-        val = predict_loader(bnn, _eval_loader(splits.val, cfg), num_samples, generator=gen)
-    report = calibration.report(probs_test.double(), y_test, val=None if val is None else
-                                (val[0].double(), val[1]), n_bins=cfg.n_bins)
+    test = sample_probs_loader(bnn, _eval_loader(splits.test, cfg), num_samples, generator=gen)
+    val = sample_probs_loader(bnn, _eval_loader(splits.val, cfg), num_samples, generator=gen) if len(splits.val) \
+        else None
+    report = protocol.prediction_report(*test, val=val, n_bins=cfg.n_bins)
     report["num_samples"] = num_samples
-    return report, {"test": (probs_test, y_test), "val": val}
+    grids = {"rotation": cfg.rotation_angles(), "noise": cfg.noise_stds()}
+    report["shift"] = protocol.shift_report(
+        lambda kind, level: predict(shifted_dataset(splits.test, kind, level, image_shape=splits.image_shape,
+                                                    seed=cfg.seed)),
+        grids, temperature=report.get("temperature", 1.0), n_bins=cfg.n_bins)
+    report["ood"] = None
+    if ood_test is not None:
+        report["ood"] = {"classes": list(cfg.held_out_classes(splits.name)),
+                         **protocol.ood_report(test[0], predict(ood_test, 1)[0])}
+    arrays = {"test": (test[0].mean(0), test[1]), "val": None if val is None else (val[0].mean(0), val[1])}
+    return report, arrays
 
 
 def _write_plots(run_dir: Path, report: dict, arrays: dict, history: list[dict], cfg: RunConfig) -> None:
     probs, y = arrays["test"]
+    s = report["num_samples"]
     plots.reliability_diagram(probs.double(), y, run_dir / "reliability_T1.png", n_bins=cfg.n_bins,
-                              title=f"{cfg.method}, T = 1")
+                              title=f"{cfg.method}, S = {s}, T = 1")
     temperature = report.get("temperature")
     if arrays["val"] is not None and temperature is not None:
         scaled = calibration.apply_temperature(probs.double().clamp_min(1e-300).log(), temperature)
         plots.reliability_diagram(scaled, y, run_dir / "reliability_Topt.png", n_bins=cfg.n_bins,
-                                  title=f"{cfg.method}, T = {temperature:.3f}")
+                                  title=f"{cfg.method}, S = {s}, T = {temperature:.3f}")
         fit_result = calibration.fit_temperature(arrays["val"][0].double().clamp_min(1e-300).log(), arrays["val"][1],
                                                  return_history=True)
         plots.temperature_curve(fit_result, run_dir / "temperature_curve.png")
     plots.training_curves(history, run_dir / "training_curves.png")
+    _write_uncertainty_plots(run_dir, {cfg.method: report}, temperature_scaled=cfg.method)
+
+
+def _write_uncertainty_plots(folder: Path, reports: dict[str, dict], *, temperature_scaled: str | None) -> list[Path]:
+    """shift.png, risk_coverage.png and gamma.png of one or several methods' final reports."""
+    written = []
+    s = {m: r["num_samples"] for m, r in reports.items()}
+    label = ", ".join(sorted({f"S = {v}" for v in s.values()}))
+    if any(k in r["shift"] for r in reports.values() for k in ("rotation", "noise")):
+        baseline = temperature_scaled if temperature_scaled in reports else None
+        plots.shift_curves({m: r["shift"] for m, r in reports.items()}, folder / "shift.png",
+                           temperature_scaled=baseline, title=f"Dataset shift ({label}; TS: temperature from "
+                                                               "in-distribution validation)")
+        written.append(folder / "shift.png")
+    plots.risk_coverage_curves({m: r["selective"] for m, r in reports.items()}, folder / "risk_coverage.png",
+                               title=f"Selective prediction ({label})")
+    written.append(folder / "risk_coverage.png")
+    if any(r["gamma"] for r in reports.values()):
+        plots.gamma_curves({m: r["gamma"] for m, r in reports.items()}, folder / "gamma.png",
+                           title=f"γ(α) of the uncertainty measures ({label})")
+        written.append(folder / "gamma.png")
+    return written
 
 
 def _setup_logging(run_dir: Path) -> logging.Handler:
@@ -201,19 +258,19 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None) -> tuple[Pat
         ``(run_dir, metrics)``.
     """
     sample_counts = sample_counts or [cfg.num_samples]
-    splits, bnn, head, device = build(cfg)  # all input is checked before anything is written
+    splits, ood_test, bnn, head, device = build(cfg)  # all input is checked before anything is written
     run_dir = prepare_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     handler = _setup_logging(run_dir)
     try:
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
-        return run_dir, _train_and_report(cfg, run_dir, splits, bnn, head, device, sample_counts)
+        return run_dir, _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_counts)
     finally:
         log.removeHandler(handler)
         handler.close()
 
 
-def _train_and_report(cfg, run_dir, splits, bnn, head, device, sample_counts):
+def _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_counts):
     lr_head = cfg.lr_head or None
     if cfg.method == "sgld":
         optimizer = SGLD(bnn.param_groups(head, lr_head), lr=cfg.lr, num_data=bnn.num_data,
@@ -263,7 +320,7 @@ def _train_and_report(cfg, run_dir, splits, bnn, head, device, sample_counts):
     save_checkpoint(run_dir / "best.pt", bnn.state_dict())
     reports = {}
     for s in sample_counts:
-        report, arrays = final_reports(bnn, splits, cfg, s, device)
+        report, arrays = final_reports(bnn, splits, ood_test, cfg, s, device)
         reports[str(s)] = report
         if s == sample_counts[-1]:
             _write_plots(run_dir, report, arrays, state["history"], cfg)
@@ -285,31 +342,41 @@ def evaluate_run(run_dir: str | Path, num_samples: int | None = None) -> dict:
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "best.pt").is_file():
         raise ValueError(f"{run_dir} is not a finished run folder (needs config.yaml and best.pt)")
     cfg = RunConfig(**load_yaml(run_dir / "config.yaml")).validate()
-    splits, bnn, _, device = build(cfg, for_evaluation=True)
+    splits, ood_test, bnn, _, device = build(cfg, for_evaluation=True)
     try:
         bnn.load_state_dict(load_checkpoint(run_dir / "best.pt"))
     except (RuntimeError, ValueError) as err:
         raise ValueError(f"checkpoint {run_dir / 'best.pt'} does not match the run's config: {err}") from None
     s = cfg.num_samples if num_samples is None else num_samples
-    report, _ = final_reports(bnn, splits, cfg, s, device)
+    report, _ = final_reports(bnn, splits, ood_test, cfg, s, device)
     write_json(run_dir / f"eval_S{s}.json", report)
     return report
 
 
 BAYESDLL_METHODS = ("map", "vi", "mc_dropout", "sgld", "laplace")
-COMPARE_COLUMNS = ("method", "num_samples", "error", "ece", "mce", "nll", "ece_Topt", "nll_Topt", "temperature")
+COMPARE_COLUMNS = ("method", "num_samples", "error", "ece", "nll", "ece_Topt", "nll_Topt", "temperature",
+                   "shift_error", "shift_ece", "shift_nll", "shift_ece_Topt", "shift_nll_Topt",
+                   "ood_auroc_entropy", "ood_auroc_mi")
+"""Columns of comparison.md/.csv: in distribution at T = 1 and at the fitted T; the mean over every
+non-zero shift intensity (rotation and noise) at T = 1 and at the in-distribution T; OOD AUROC of
+held-out classes scored by predictive entropy and by mutual information (empty for S < 2)."""
 
 
 def comparison_rows(results: dict[str, dict]) -> list[dict]:
-    """One row per (method, S) from each run's final reports (BayesDLL Table 2 layout)."""
+    """One row per (method, S) from each run's final reports (BayesDLL Table 2 layout, plus shift and OOD)."""
     rows = []
     for method, metrics in results.items():
         for s, rep in metrics["final"].items():
             topt = rep.get("Topt") or {}
+            shift = (rep.get("shift") or {}).get("summary", {})
+            ood = rep.get("ood") or {}
             rows.append({"method": method, "num_samples": int(s), "error": rep["T1"]["error"],
-                         "ece": rep["T1"]["ece"], "mce": rep["T1"]["mce"], "nll": rep["T1"]["nll"],
+                         "ece": rep["T1"]["ece"], "nll": rep["T1"]["nll"],
                          "ece_Topt": topt.get("ece"), "nll_Topt": topt.get("nll"),
-                         "temperature": rep.get("temperature")})
+                         "temperature": rep.get("temperature"),
+                         **{f"shift_{k}": shift.get(k) for k in ("error", "ece", "nll", "ece_Topt", "nll_Topt")},
+                         "ood_auroc_entropy": (ood.get("entropy") or {}).get("auroc"),
+                         "ood_auroc_mi": (ood.get("mutual_information") or {}).get("auroc")})
     return rows
 
 
@@ -332,7 +399,12 @@ def _csv(rows: list[dict]) -> str:
 
 def run_compare(config_path: str | None, overrides: dict, methods: list[str],
                 sample_counts: list[int]) -> tuple[Path, list[dict]]:
-    """Every method on the same data and split; writes comparison.md/.csv and reliability.png.
+    """Every method on the same data and split; writes comparison.md/.csv and the comparison figures.
+
+    Figures (in the comparison folder, all at the last S of ``sample_counts``):
+    ``reliability.png`` (one panel per method, with bin counts), ``shift.png``
+    (error/NLL/ECE against shift intensity, with MAP + temperature scaling),
+    ``risk_coverage.png`` and ``gamma.png``.
 
     Each method's options are resolved as for ``fit`` with ``--method`` set
     (so ``per_method`` entries apply), and each method gets its own run folder.
@@ -347,18 +419,18 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
         raise ValueError(f"comparison folder {base} exists; pass --resume or --overwrite")
     if base.exists() and cfg.overwrite:
         shutil.rmtree(base)
-    results, diagrams = {}, []
+    results = {}
     for method in methods:
         run_cfg = replace(configs[method], out_dir=str(base), run_name=method, overwrite=False,
                           resume=cfg.resume and (base / method / "last.pt").is_file())
-        run_dir, metrics = run_fit(run_cfg.validate(), sample_counts)
-        results[method] = metrics
-        diagrams.append((method, run_dir))
+        _, results[method] = run_fit(run_cfg.validate(), sample_counts)
     rows = comparison_rows(results)
     write_text(base / "comparison.md", _markdown(rows))
     write_text(base / "comparison.csv", _csv(rows))
-    plots.image_grid([(m, d / "reliability_T1.png") for m, d in diagrams], base / "reliability.png",
-                     title=f"Reliability, S = {sample_counts[-1]}", columns=3)
+    last = {m: r["final"][str(sample_counts[-1])] for m, r in results.items()}
+    plots.reliability_grid({m: r["bins"] for m, r in last.items()}, base / "reliability.png",
+                           num_samples=sample_counts[-1], title="Reliability on the test set, T = 1")
+    _write_uncertainty_plots(base, last, temperature_scaled="map")
     return base, rows
 
 
@@ -400,7 +472,8 @@ def make_parser() -> argparse.ArgumentParser:
                             f"{','.join(m for m in METHODS if m not in BAYESDLL_METHODS)})")
     p_cmp.add_argument("--num-samples", default="0,5", dest="num_samples_list",
                        help="comma-separated posterior sample counts S (default: 0,5)")
-    p_ev = sub.add_parser("evaluate", help="re-evaluate a saved run with another number of samples")
+    p_ev = sub.add_parser("evaluate", help="re-evaluate a saved run (calibration, shift, OOD) with another number "
+                                           "of samples")
     p_ev.add_argument("run_dir", help="a run folder written by fit/compare")
     p_ev.add_argument("--num-samples", type=int, default=None, help="S (default: the run's num_samples)")
     return parser
@@ -415,6 +488,14 @@ def main(argv: list[str] | None = None) -> int:
             report = evaluate_run(args.run_dir, args.num_samples)
             print(f"S={report['num_samples']}: " + ", ".join(f"{k}={report['T1'][k]:.4f}"
                                                                for k in ("error", "ece", "mce", "nll")))
+            if report["shift"]["summary"]:
+                print("under shift (mean over intensities): " + ", ".join(
+                    f"{k}={v:.4f}" for k, v in report["shift"]["summary"].items()))
+            if report["ood"]:
+                print(f"held-out classes {report['ood']['classes']}: AUROC entropy="
+                      f"{report['ood']['entropy']['auroc']:.4f}" + (
+                          f", mutual information={report['ood']['mutual_information']['auroc']:.4f}"
+                          if report["ood"]["mutual_information"] else ""))
             return 0
         overrides = {k: v for k, v in vars(args).items()
                      if k in FIELDS and k not in ("command", "config")}
@@ -428,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         base, rows = run_compare(args.config, overrides, [m.strip() for m in args.methods.split(",") if m.strip()],
                                  _int_list(args.num_samples_list))
         print(_markdown(rows))
-        print(f"written: {base / 'comparison.md'}, {base / 'comparison.csv'}, {base / 'reliability.png'}")
+        print(f"written: {base / 'comparison.md'}, {base / 'comparison.csv'} and figures in {base}")
         return 0
     except (ValueError, FileNotFoundError, DataError, RuntimeError, FloatingPointError) as err:
         print(f"bayeswrap: error: {err}", file=sys.stderr)

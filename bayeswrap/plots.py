@@ -1,4 +1,4 @@
-"""Calibration figures: reliability diagrams and temperature-scaling curves.
+"""Figures: reliability diagrams, temperature scaling, training curves, shift, selective prediction and γ curves.
 
 Figures are built as bare :class:`matplotlib.figure.Figure` objects rendered by
 the Agg canvas: nothing is registered with ``pyplot`` (so no figure is left
@@ -18,7 +18,8 @@ import numpy as np
 from .evaluation import calibration as cal
 from .io import atomic_write
 
-__all__ = ["reliability_diagram", "temperature_curve", "training_curves", "image_grid", "save_figure"]
+__all__ = ["reliability_diagram", "temperature_curve", "training_curves", "reliability_grid", "shift_curves",
+           "risk_coverage_curves", "gamma_curves", "save_figure"]
 
 _FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
 
@@ -50,6 +51,38 @@ def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 150) -> str:
     fmt = _FORMATS.get(os.path.splitext(os.fspath(path))[1].lower(), "png")
     atomic_write(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=dpi))
     return os.fspath(path)
+
+
+def _display_bins(stats: cal.BinStats) -> tuple[np.ndarray, ...]:
+    """Bars of a reliability diagram: the {1.0} bin merged into the last bar; (centers, width, count, conf, acc)."""
+    count = stats.count[:-1].astype(np.float64).copy()
+    sum_conf = stats.confidence[:-1] * count
+    sum_acc = stats.accuracy[:-1] * count
+    count[-1] += stats.count[-1]  # merge the {1.0} bin into the last bar for display
+    sum_conf[-1] += stats.confidence[-1] * stats.count[-1]
+    sum_acc[-1] += stats.accuracy[-1] * stats.count[-1]
+    safe = np.maximum(count, 1.0)
+    left, width = stats.lower[:-1], stats.upper[:-1] - stats.lower[:-1]
+    return left + width / 2, width, count, sum_conf / safe, sum_acc / safe
+
+
+def _draw_reliability(ax, stats: cal.BinStats, *, counts: bool = False):
+    """Accuracy bars, hatched gap to the mean confidence and the diagonal; optionally bin counts above bars."""
+    centers, width, count, conf, acc = _display_bins(stats)
+    filled = count > 0
+    ax.bar(centers, np.where(filled, acc, 0.0), width=width, color="tab:blue", edgecolor="black",
+           linewidth=0.6, label="Accuracy")
+    gap_bottom = np.where(filled, acc, 0.0)
+    gap_height = np.where(filled, conf - acc, 0.0)
+    ax.bar(centers, gap_height, bottom=gap_bottom, width=width, color="tab:red", alpha=0.3, edgecolor="tab:red",
+           hatch="//", linewidth=0.6, label="Gap")
+    ax.plot([0, 1], [0, 1], linestyle="--", color="gray", linewidth=1.2, label="Perfect calibration")
+    if counts:
+        for x, n, top in zip(centers, count, np.maximum(acc, conf)):
+            if n > 0:
+                ax.text(x, min(float(top), 0.93) + 0.015, f"{int(n)}", ha="center", va="bottom", fontsize=6,
+                        rotation=90, color="black")
+    return centers, width, count
 
 
 def reliability_diagram(probs: Any, labels: Any, path: str | os.PathLike | None = None, n_bins: int = 15,
@@ -96,30 +129,11 @@ def reliability_diagram(probs: Any, labels: Any, path: str | os.PathLike | None 
     stats = cal.bin_stats(probs, labels, n_bins, kind)
     metrics = {"ECE": stats.ece, "MCE": stats.mce, "NLL": cal.nll(probs, labels)}
 
-    count = stats.count[:-1].astype(np.float64).copy()
-    sum_conf = stats.confidence[:-1] * count
-    sum_acc = stats.accuracy[:-1] * count
-    count[-1] += stats.count[-1]  # merge the {1.0} bin into the last bar for display
-    sum_conf[-1] += stats.confidence[-1] * stats.count[-1]
-    sum_acc[-1] += stats.accuracy[-1] * stats.count[-1]
-    safe = np.maximum(count, 1.0)
-    conf, acc = sum_conf / safe, sum_acc / safe
-    filled = count > 0
-    left, width = stats.lower[:-1], stats.upper[:-1] - stats.lower[:-1]
-    centers = left + width / 2
-
     fig = _new_figure(figsize=(5.0, 6.2), layout="constrained")
     grid = fig.add_gridspec(2, 1, height_ratios=(3, 1))
     ax = fig.add_subplot(grid[0])
     ax_hist = fig.add_subplot(grid[1], sharex=ax)
-
-    ax.bar(centers, np.where(filled, acc, 0.0), width=width, color="tab:blue", edgecolor="black",
-           linewidth=0.6, label="Accuracy")
-    gap_bottom = np.where(filled, acc, 0.0)
-    gap_height = np.where(filled, conf - acc, 0.0)
-    ax.bar(centers, gap_height, bottom=gap_bottom, width=width, color="tab:red", alpha=0.3, edgecolor="tab:red",
-           hatch="//", linewidth=0.6, label="Gap")
-    ax.plot([0, 1], [0, 1], linestyle="--", color="gray", linewidth=1.2, label="Perfect calibration")
+    centers, width, count = _draw_reliability(ax, stats)
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.set_ylabel("Accuracy")
@@ -257,33 +271,191 @@ def training_curves(history: list[Mapping[str, Any]], path: str | os.PathLike | 
     return _finish(fig, path, title, dpi)
 
 
-def image_grid(images: list[tuple[str, str | os.PathLike]], path: str | os.PathLike | None = None, *,
-               title: str | None = None, columns: int = 5, dpi: int = 150):
-    """Tiles saved PNG figures (e.g. one reliability diagram per method) into one figure.
+def _grid(n: int, columns: int, size: tuple[float, float]):
+    cols = max(1, min(columns, n))
+    rows = (n + cols - 1) // cols
+    fig = _new_figure(figsize=(size[0] * cols, size[1] * rows), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes[:n]
+
+
+def _require(results: Mapping[str, Any], what: str) -> None:
+    if not results:
+        raise ValueError(f"{what} needs at least one method's results; got none")
+
+
+def reliability_grid(bins: Mapping[str, Mapping[str, Any]], path: str | os.PathLike | None = None, *,
+                     num_samples: int | Mapping[str, int] | None = None, columns: int = 3,
+                     title: str | None = None, dpi: int = 150):
+    """One reliability diagram per method as subplots of one figure, with bin counts.
+
+    Each panel shows accuracy bars per confidence bin, the hatched gap to the
+    bin's mean confidence, the diagonal, the number of test examples in each bin
+    above its bar, and ECE/MCE; its title names the method and S. One shared
+    legend sits under the panels.
 
     Args:
-        images: ``(caption, png_path)`` pairs.
+        bins: ``{method: BinStats.to_dict()}`` (the ``"bins"`` entry of
+            :func:`bayeswrap.evaluation.protocol.prediction_report`), in panel order.
         path: optional destination (written atomically).
+        num_samples: S for every panel, or ``{method: S}``; shown in the titles.
+        columns: panels per row.
         title: optional figure title.
-        columns: tiles per row.
+        dpi: resolution of the written file.
 
     Returns:
-        The matplotlib Figure.
+        The matplotlib Figure (one axis per method; titles ``"<method>, S = <S>"``).
 
     Raises:
-        ValueError: if ``images`` is empty.
+        ValueError: if ``bins`` is empty.
     """
-    import matplotlib.image as mpimg
+    _require(bins, "reliability_grid")
+    fig, axes = _grid(len(bins), columns, (3.4, 3.4))
+    for ax, (method, d) in zip(axes, bins.items()):
+        stats = cal.BinStats(**{k: (v if k == "kind" else np.asarray(v)) for k, v in d.items()})
+        _draw_reliability(ax, stats, counts=True)
+        s = num_samples.get(method) if isinstance(num_samples, Mapping) else num_samples
+        ax.set_title(method if s is None else f"{method}, S = {s}")
+        ax.text(0.03, 0.97, f"ECE = {100 * stats.ece:.2f}%\nMCE = {100 * stats.mce:.2f}%", transform=ax.transAxes,
+                va="top", ha="left", fontsize="small", bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85})
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.08)
+        ax.set_xlabel("Confidence")
+        ax.set_ylabel("Accuracy")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize="small",
+               title="numbers above the bars: test examples per bin")
+    if title:
+        fig.suptitle(title)
+    if path is not None:
+        save_figure(fig, path, dpi=dpi)
+    return fig
 
-    if not images:
-        raise ValueError("image_grid needs at least one (caption, path) pair")
-    cols = min(columns, len(images))
-    rows = (len(images) + cols - 1) // cols
-    fig = _new_figure(figsize=(3.6 * cols, 3.6 * rows))
-    axes = np.atleast_1d(fig.subplots(rows, cols)).ravel()
-    for ax in axes:
-        ax.axis("off")
-    for ax, (caption, img) in zip(axes, images):
-        ax.imshow(mpimg.imread(os.fspath(img)))
-        ax.set_title(caption)
+
+_SHIFT_LABELS = {"error": "error", "nll": "NLL (nats)", "ece": "ECE"}
+_SHIFT_X = {"rotation": "rotation angle (degrees)", "noise": "Gaussian noise std (pixels in [0, 1])"}
+
+
+def shift_curves(shift: Mapping[str, Mapping[str, Any]], path: str | os.PathLike | None = None, *,
+                 temperature_scaled: str | None = "map", title: str | None = None, dpi: int = 150):
+    """Error, NLL and ECE against shift intensity, one line per method (Ovadia et al. 2019, Fig. 2).
+
+    Args:
+        shift: ``{method: shift report}``, each the output of
+            :func:`bayeswrap.evaluation.protocol.shift_report`.
+        path: optional destination (written atomically).
+        temperature_scaled: a method whose temperature-scaled curves (``Topt``) are
+            added as a dashed line labelled ``"<method> + TS"`` (the baseline every
+            Bayesian method must beat); ``None`` for none.
+        title: optional figure title.
+        dpi: resolution of the written file.
+
+    Returns:
+        The matplotlib Figure: one row per shift kind, columns error, NLL, ECE.
+
+    Raises:
+        ValueError: if ``shift`` is empty or holds no shift curves.
+    """
+    _require(shift, "shift_curves")
+    kinds = [k for k in ("rotation", "noise") if any(k in r for r in shift.values())]
+    if not kinds:
+        raise ValueError("shift_curves: the reports hold no 'rotation' or 'noise' curves")
+    fig = _new_figure(figsize=(12, 3.3 * len(kinds)), layout="constrained")
+    axes = np.atleast_2d(fig.subplots(len(kinds), 3, squeeze=False))
+    colors = {m: f"C{i}" for i, m in enumerate(shift)}
+    for row, kind in zip(axes, kinds):
+        for ax, metric in zip(row, ("error", "nll", "ece")):
+            for method, rep in shift.items():
+                if kind not in rep:
+                    continue
+                x = rep[kind]["intensity"]
+                ax.plot(x, rep[kind]["T1"][metric], marker="o", ms=3, color=colors[method], label=method)
+                if method == temperature_scaled:
+                    ax.plot(x, rep[kind]["Topt"][metric], marker="s", ms=3, linestyle="--", color="black",
+                            label=f"{method} + TS")
+            ax.set_xlabel(_SHIFT_X[kind])
+            ax.set_ylabel(_SHIFT_LABELS[metric])
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 6))
+    if title:
+        fig.suptitle(title)
+    if path is not None:
+        save_figure(fig, path, dpi=dpi)
+    return fig
+
+
+def risk_coverage_curves(selective: Mapping[str, Mapping[str, Any]], path: str | os.PathLike | None = None, *,
+                         title: str | None = None, dpi: int = 150):
+    """Selective risk against coverage, one line per method, AURC in the legend.
+
+    Args:
+        selective: ``{method: {"coverage": [...], "risk": [...], "aurc": float}}``
+            (the ``"selective"`` entry of :func:`bayeswrap.evaluation.protocol.prediction_report`).
+        path: optional destination (written atomically).
+        title: optional figure title.
+        dpi: resolution of the written file.
+
+    Returns:
+        The matplotlib Figure (one axis: x coverage, y risk).
+
+    Raises:
+        ValueError: if ``selective`` is empty.
+    """
+    _require(selective, "risk_coverage_curves")
+    fig = _new_figure(figsize=(5.5, 4.2))
+    ax = fig.subplots()
+    for method, rep in selective.items():
+        ax.plot(rep["coverage"], rep["risk"], label=f"{method} (AURC {1000 * rep['aurc']:.1f}e-3)")
+    ax.set_xlabel("coverage (fraction of test examples kept, most confident first)")
+    ax.set_ylabel("risk (error among kept)")
+    ax.set_xlim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
     return _finish(fig, path, title, dpi)
+
+
+def gamma_curves(gamma: Mapping[str, Mapping[str, Any] | None], path: str | os.PathLike | None = None, *,
+                 measures: tuple[str, ...] = ("entropy", "mutual_information", "variation_ratio", "predictive_std"),
+                 title: str | None = None, dpi: int = 150):
+    """γ(α) of each uncertainty measure, one panel per measure, one line per method.
+
+    γ(α) is the fraction of correctly classified test examples whose uncertainty
+    is below the α-quantile of the misclassified examples' uncertainties (see
+    :func:`bayeswrap.evaluation.uncertainty.gamma_curve`); higher is better.
+
+    Args:
+        gamma: ``{method: {"alphas": [...], measure: [...], ...} or None}`` (the
+            ``"gamma"`` entry of :func:`bayeswrap.evaluation.protocol.prediction_report`).
+        path: optional destination (written atomically).
+        measures: the measures to draw, where present.
+        title: optional figure title.
+        dpi: resolution of the written file.
+
+    Returns:
+        The matplotlib Figure (one axis per measure present in any method's results).
+
+    Raises:
+        ValueError: if no method has γ curves.
+    """
+    present = [m for m in measures if any(g and m in g for g in gamma.values())]
+    if not present:
+        raise ValueError("gamma_curves: no method has gamma curves (needs correct and misclassified examples)")
+    fig, axes = _grid(len(present), 4, (3.6, 3.4))
+    for ax, measure in zip(axes, present):
+        for i, (method, g) in enumerate(gamma.items()):
+            if g and measure in g:
+                ax.plot(g["alphas"], g[measure], marker="o", ms=3, color=f"C{i}", label=method)
+        ax.set_title(measure.replace("_", " "))
+        ax.set_xlabel("α")
+        ax.set_ylabel("γ(α)")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    if path is not None:
+        save_figure(fig, path, dpi=dpi)
+    return fig

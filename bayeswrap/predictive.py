@@ -12,6 +12,7 @@ import math
 import torch
 
 from .evaluation import calibration
+from .likelihoods import at_least_float32
 from .methods.base import BayesianModel
 
 
@@ -60,6 +61,50 @@ def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generato
     if isinstance(preds[0], tuple):
         return (torch.cat([p[0] for p in preds]), torch.cat([p[1] for p in preds])), y
     return torch.cat(preds), y
+
+
+@torch.no_grad()
+def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
+                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Class probabilities under each posterior sample, for every example of a loader.
+
+    The per-sample view behind the uncertainty measures of
+    :mod:`bayeswrap.evaluation.uncertainty` (mutual information, variation
+    ratio, ...). Averaging over the first dimension gives exactly what
+    :func:`predict_loader` returns for the same ``generator`` state.
+
+    Args:
+        bnn: a Bayesian model with a categorical likelihood (its train/eval mode is used as it is).
+        loader: iterable of ``(inputs, targets)`` batches.
+        num_samples: S ≥ 0; ``0`` evaluates the posterior mean once.
+        generator: optional ``torch.Generator`` for reproducible samples.
+
+    Returns:
+        ``(sample_probs, targets)``: ``sample_probs`` of shape (max(S, 1), N, K),
+        float32 (float64 for a float64 model), each row summing to 1; ``targets``
+        (N,) int64. Both on the CPU.
+
+    Raises:
+        ValueError: for a Gaussian likelihood, or a loader that yields no batches.
+        NotFittedError: if the posterior does not exist yet.
+    """
+    if bnn.likelihood.name != "categorical":
+        raise ValueError(f"sample_probs_loader needs a categorical likelihood; this model's is "
+                         f"{bnn.likelihood.name!r}")
+    device = model_device(bnn)
+    probs, targets = [], []
+    for x, y in loader:
+        x = x.to(device)
+        if num_samples == 0:
+            bnn._check_ready()
+            outs = bnn.forward_with(bnn.posterior_mean(), x).unsqueeze(0)
+        else:
+            outs = bnn.sample_logits(x, num_samples, generator=generator)
+        probs.append(at_least_float32(outs).softmax(-1).cpu())
+        targets.append(y.cpu())
+    if not probs:
+        raise ValueError("the loader yielded no batches")
+    return torch.cat(probs, 1), torch.cat(targets)
 
 
 def score(bnn: BayesianModel, predictive, targets: torch.Tensor) -> dict[str, float]:

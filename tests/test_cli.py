@@ -15,17 +15,22 @@ FAST = ["--progress", "false", "--batch-size", "64"]
 
 def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
     out = tmp_path / "runs"
-    assert cli.main(["compare", "--epochs", "2", "--out-dir", str(out), "--num-samples", "0,3", *FAST]) == 0
+    assert cli.main(["compare", "--epochs", "2", "--out-dir", str(out), "--num-samples", "0,3", "--shift-rotations",
+                     "0,45", "--shift-noise", "0,0.5", *FAST]) == 0
     base = out / "compare-digits-mlp"
     rows = list(csv.DictReader(open(base / "comparison.csv")))
     assert [(r["method"], r["num_samples"]) for r in rows] == [
         (m, s) for m in ("map", "vi", "mc_dropout", "sgld", "laplace") for s in ("0", "3")]
-    assert (base / "comparison.md").read_text().startswith("| method | num_samples | error | ece | mce | nll")
-    assert (base / "reliability.png").stat().st_size > 10_000
+    assert (base / "comparison.md").read_text().startswith(
+        "| method | num_samples | error | ece | nll | ece_Topt | nll_Topt | temperature | shift_error | shift_ece | "
+        "shift_nll | shift_ece_Topt | shift_nll_Topt | ood_auroc_entropy | ood_auroc_mi |")
+    for name in ("reliability.png", "shift.png", "risk_coverage.png", "gamma.png"):
+        assert (base / name).stat().st_size > 10_000, name
     for method in ("map", "vi", "mc_dropout", "sgld", "laplace"):
         run = base / method
         for name in ("config.yaml", "metrics.json", "best.pt", "last.pt", "train.log", "reliability_T1.png",
-                     "reliability_Topt.png", "temperature_curve.png", "training_curves.png"):
+                     "reliability_Topt.png", "temperature_curve.png", "training_curves.png", "shift.png",
+                     "risk_coverage.png"):
             assert (run / name).is_file(), (method, name)
         metrics = json.loads((run / "metrics.json").read_text())
         assert [h["epoch"] for h in metrics["history"]] == [1, 2]
@@ -37,8 +42,30 @@ def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
             for key in ("error", "ece", "mce", "nll", "brier"):
                 assert again["T1"][key] == pytest.approx(saved["T1"][key], rel=1e-9, abs=1e-12), (method, s, key)
             assert again["temperature"] == pytest.approx(saved["temperature"], rel=1e-9)
+            assert again["shift"]["summary"] == pytest.approx(saved["shift"]["summary"], rel=1e-9)
+            assert again["ood"]["entropy"] == pytest.approx(saved["ood"]["entropy"], rel=1e-9)
+            # the unshifted members of the shift grids are the in-distribution test set, sampled alike
+            for kind in ("rotation", "noise"):
+                curve = saved["shift"][kind]
+                assert curve["intensity"][0] == 0
+                for key in ("error", "nll", "ece"):
+                    assert curve["T1"][key][0] == pytest.approx(saved["T1"][key], rel=1e-12, abs=1e-15), (kind, key)
+                    assert curve["Topt"][key][0] == pytest.approx(saved["Topt"][key], rel=1e-9, abs=1e-12)
+            # digits hold out classes 8 and 9: an 8-class model, OOD scored on the 108 test 8s and 9s
+            assert saved["n_classes"] == 8 and saved["ood"]["classes"] == [8, 9]
+            assert saved["ood"]["n_out"] == 106 and saved["ood"]["n_in"] == saved["n_examples"]
+            if s == 0 or method == "map":  # a point estimate has no epistemic spread to score by
+                assert saved["ood"]["mutual_information"] is None
+            summary = saved["shift"]["summary"]
+            nonzero = [v for kind in ("rotation", "noise") for v, i in
+                       zip(saved["shift"][kind]["T1"]["nll"], saved["shift"][kind]["intensity"]) if i != 0]
+            assert summary["nll"] == pytest.approx(sum(nonzero) / len(nonzero), rel=1e-12)
         row = next(r for r in rows if r["method"] == method and r["num_samples"] == "3")
         assert float(row["nll"]) == pytest.approx(metrics["final"]["3"]["T1"]["nll"], rel=1e-9)
+        assert float(row["shift_nll_Topt"]) == pytest.approx(metrics["final"]["3"]["shift"]["summary"]["nll_Topt"],
+                                                             rel=1e-9)
+        assert float(row["ood_auroc_entropy"]) == pytest.approx(
+            metrics["final"]["3"]["ood"]["entropy"]["auroc"], rel=1e-9)
 
 
 @pytest.mark.parametrize("dataset, fixture", [("pets", "fake_pets_root"), ("flowers102", "fake_flowers_root"),
@@ -68,7 +95,7 @@ def test_init_checkpoint_becomes_prior_mean(tmp_path):
     weights = create_model("mlp", 10, in_features=64).state_dict()
     path = tmp_path / "init.pt"
     torch.save(weights, path)
-    assert cli.main(["fit", "--init-checkpoint", str(path), "--method", "vi", "--epochs", "1",
+    assert cli.main(["fit", "--init-checkpoint", str(path), "--method", "vi", "--epochs", "1", "--ood-classes", "",
                      "--out-dir", str(tmp_path / "runs"), *FAST]) == 0
     state = load_checkpoint(tmp_path / "runs" / "digits-mlp-vi" / "best.pt")
     for name, tensor in weights.items():

