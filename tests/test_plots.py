@@ -107,3 +107,62 @@ def test_docstring_examples():
 
     result = doctest.testmod(plots, extraglobs={"torch": torch, "np": np})
     assert result.attempted > 5 and result.failed == 0
+
+
+# ------------------------------------------------------------------ comparison figures of the evaluation protocol
+@pytest.fixture(scope="module")
+def reports(data):
+    from bayeswrap.evaluation import protocol
+
+    probs, labels = data
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for i, method in enumerate(("map", "vi")):
+        sp = torch.softmax(probs.log()[None] + i * 0.5 * torch.randn(4, *probs.shape, generator=g), -1)
+        rep = protocol.prediction_report(sp, labels, n_bins=10)
+        rep["num_samples"] = 4
+        rep["shift"] = protocol.shift_report(lambda kind, level, sp=sp: (torch.softmax(sp.log() / (1 + level), -1),
+                                                                         labels),
+                                             {"rotation": (0, 45, 90), "noise": (0.0, 0.5)}, temperature=1.5)
+        out[method] = rep
+    return out
+
+
+def test_reliability_grid_titles_counts_and_legend(reports, tmp_path):
+    before = plt.get_fignums()
+    fig = plots.reliability_grid({m: r["bins"] for m, r in reports.items()}, tmp_path / "grid.png", num_samples=4)
+    assert plt.get_fignums() == before and (tmp_path / "grid.png").stat().st_size > 10_000
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in visible] == ["map, S = 4", "vi, S = 4"]
+    counts = reports["map"]["bins"]["count"]
+    texts = sorted(int(t.get_text()) for t in visible[0].texts if t.get_text().isdigit())
+    merged = counts[:-2] + [counts[-2] + counts[-1]]  # the {1.0} bin is drawn in the last bar
+    assert texts == sorted(c for c in merged if c > 0) and sum(texts) == 500
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["Perfect calibration", "Accuracy", "Gap"]
+
+
+def test_shift_curves_lines_per_method_and_temperature_scaled_baseline(reports):
+    fig = plots.shift_curves({m: r["shift"] for m, r in reports.items()}, temperature_scaled="map")
+    assert len(fig.axes) == 6
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["map", "map + TS", "vi"]
+    nll_rotation = fig.axes[1]
+    line = next(ln for ln in nll_rotation.get_lines() if ln.get_label() == "map + TS")
+    np.testing.assert_allclose(line.get_ydata(), reports["map"]["shift"]["rotation"]["Topt"]["nll"])
+    np.testing.assert_allclose(line.get_xdata(), [0, 45, 90])
+    assert fig.axes[3].get_xlabel().startswith("Gaussian noise std")
+
+
+def test_risk_coverage_and_gamma_curves(reports, tmp_path):
+    fig = plots.risk_coverage_curves({m: r["selective"] for m, r in reports.items()}, tmp_path / "rc.png")
+    ax = fig.axes[0]
+    assert ax.get_xlabel().startswith("coverage") and len(ax.get_lines()) == 2
+    assert ax.get_legend().get_texts()[0].get_text() == f"map (AURC {1000 * reports['map']['selective']['aurc']:.1f}e-3)"
+    fig = plots.gamma_curves({m: r["gamma"] for m, r in reports.items()}, tmp_path / "gamma.png")
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert titles == ["entropy", "mutual information", "variation ratio", "predictive std"]
+    np.testing.assert_allclose(fig.axes[0].get_lines()[1].get_ydata(), reports["vi"]["gamma"]["entropy"])
+    with pytest.raises(ValueError, match="no method has gamma curves"):
+        plots.gamma_curves({"map": None})
+    with pytest.raises(ValueError, match="at least one method"):
+        plots.shift_curves({})
