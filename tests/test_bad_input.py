@@ -82,3 +82,41 @@ def test_gaussian_targets_must_match_outputs():
 def test_unknown_curvature():
     with pytest.raises(ValueError, match=r"curvature='ggn' is not known; accepted: \('empirical_fisher', 'fisher'\)"):
         bw.wrap(_mlp(), "laplace", num_data=10, curvature="ggn")
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("shift_rotations", "0,abc", r"shift_rotations='0,abc': 'abc' is not valid; accepted: comma-separated finite"),
+    ("shift_rotations", "0,inf", r"shift_rotations='0,inf': 'inf' is not valid"),
+    ("shift_noise", "0,-0.1", r"shift_noise='0,-0.1': '-0.1' is not valid; accepted: comma-separated finite numbers >= 0"),
+    ("shift_noise", "nan", r"shift_noise='nan': 'nan' is not valid"),
+    ("ood_classes", "8,1.5", r"ood_classes='8,1.5': '1.5' is not valid; accepted: comma-separated integers >= 0, or auto"),
+    ("ood_classes", "-1", r"ood_classes='-1': '-1' is not valid"),
+])
+def test_evaluation_options_rejected_before_anything_runs(option, value, match):
+    from bayeswrap.config import resolve
+
+    with pytest.raises(ValueError, match=match):
+        resolve(None, {option: value})
+
+
+def test_held_out_classes_out_of_range_or_all(tmp_path):
+    import bayeswrap.cli as cli
+
+    assert cli.main(["fit", "--ood-classes", "3,12", "--epochs", "1", "--out-dir", str(tmp_path)]) == 2
+    assert not (tmp_path / "digits-mlp-vi").exists()  # refused before the run folder is made
+    from bayeswrap.data import load_data
+    from bayeswrap.evaluation.shift import hold_out_classes
+
+    with pytest.raises(ValueError, match=r"12"):
+        hold_out_classes(load_data("digits"), [3, 12])
+    with pytest.raises(ValueError, match=r"at least one class kept"):
+        hold_out_classes(load_data("digits"), list(range(10)))
+
+
+def test_yaml_lists_for_list_options(tmp_path):
+    from bayeswrap.config import resolve
+
+    path = tmp_path / "c.yaml"
+    path.write_text("shift_rotations: [0, 90]\nshift_noise: []\nood_classes: [1, 2]\n")
+    cfg = resolve(str(path), {})
+    assert cfg.rotation_angles() == (0.0, 90.0) and cfg.noise_stds() == () and cfg.held_out_classes() == (1, 2)
