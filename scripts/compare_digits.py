@@ -14,6 +14,7 @@ folder and copies its table and figures::
 Usage (from the repository root)::
 
     .venv/bin/python scripts/compare_digits.py [--out figures]
+    .venv/bin/python scripts/compare_digits.py --from-run runs/compare-digits-mlp   # copy the main job's output
 """
 
 from __future__ import annotations
@@ -43,21 +44,32 @@ COPIES = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="figures", help="folder the table and figures are copied into")
+    parser.add_argument("--from-run", default=None,
+                        help="copy from this finished 'bayeswrap compare' folder (the main job's) instead of running it")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.from_run:
+        _copy(Path(args.from_run), out)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         status = cli.main(["compare", "--out-dir", tmp, "--progress", "false"])
         if status:
             return status
-        seconds = time.perf_counter() - start
-        base = Path(tmp) / "compare-digits-mlp"
-        for src, dst in COPIES.items():
-            shutil.copyfile(base / src, out / f".{dst}.tmp")
-            (out / f".{dst}.tmp").replace(out / dst)
-    print(f"bayeswrap compare took {seconds:.0f} s; copied {len(COPIES)} files into {out}")
+        print(f"bayeswrap compare took {time.perf_counter() - start:.0f} s")
+        _copy(Path(tmp) / "compare-digits-mlp", out)
     return 0
+
+
+def _copy(base: Path, out: Path) -> None:
+    missing = [src for src in COPIES if not (base / src).is_file()]
+    if missing:
+        raise SystemExit(f"{base} is not a finished digits comparison: missing {missing}")
+    for src, dst in COPIES.items():
+        shutil.copyfile(base / src, out / f".{dst}.tmp")
+        (out / f".{dst}.tmp").replace(out / dst)
+    print(f"copied {len(COPIES)} files from {base} into {out}")
 
 
 if __name__ == "__main__":
