@@ -77,11 +77,10 @@ def _draw_reliability(ax, stats: cal.BinStats, *, counts: bool = False):
     ax.bar(centers, gap_height, bottom=gap_bottom, width=width, color="tab:red", alpha=0.3, edgecolor="tab:red",
            hatch="//", linewidth=0.6, label="Gap")
     ax.plot([0, 1], [0, 1], linestyle="--", color="gray", linewidth=1.2, label="Perfect calibration")
-    if counts:
-        for x, n, top in zip(centers, count, np.maximum(acc, conf)):
+    if counts:  # a strip above y = 1 with the number of items in each bin
+        for x, n in zip(centers, count):
             if n > 0:
-                ax.text(x, min(float(top), 0.93) + 0.015, f"{int(n)}", ha="center", va="bottom", fontsize=6,
-                        rotation=90, color="black")
+                ax.text(x, 1.015, f"{int(n)}", ha="center", va="bottom", fontsize=5.5, color="black")
     return centers, width, count
 
 
@@ -318,10 +317,11 @@ def reliability_grid(bins: Mapping[str, Mapping[str, Any]], path: str | os.PathL
         _draw_reliability(ax, stats, counts=True)
         s = num_samples.get(method) if isinstance(num_samples, Mapping) else num_samples
         ax.set_title(method if s is None else f"{method}, S = {s}")
-        ax.text(0.03, 0.97, f"ECE = {100 * stats.ece:.2f}%\nMCE = {100 * stats.mce:.2f}%", transform=ax.transAxes,
+        ax.text(0.03, 0.9, f"ECE = {100 * stats.ece:.2f}%\nMCE = {100 * stats.mce:.2f}%", transform=ax.transAxes,
                 va="top", ha="left", fontsize="small", bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.85})
         ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1.08)
+        ax.set_ylim(0, 1.09)
+        ax.axhline(1.0, color="black", linewidth=0.5)
         ax.set_xlabel("Confidence")
         ax.set_ylabel("Accuracy")
     handles, labels = axes[0].get_legend_handles_labels()
