@@ -161,6 +161,18 @@ def test_ga_uncertainty_against_scipy():
         np.testing.assert_allclose(ga_uncertainty(sp, cutoff).numpy(), expected, rtol=0, atol=1e-12)
 
 
+def test_ga_uncertainty_lower_tail_keeps_relative_accuracy():
+    # S = 1001 samples of K = 2 classes: 900 vote for class 0 (G = 899, p̂ = 0.899, sd ≈ 9.53); the cutoff 800.5
+    # is z ≈ -10.3 standard deviations below the mean, where (1 + erf)/2 cancels to 0 but Φ is ≈ 3.2e-25
+    votes = torch.zeros(1001, dtype=torch.long)
+    votes[900:] = 1
+    sp = torch.nn.functional.one_hot(votes, 2).double()[:, None, :]
+    g, n = 899, 1000
+    expected = norm.cdf(800.5, loc=g, scale=math.sqrt(g * (n - g) / n))
+    assert 0 < expected < 1e-20
+    np.testing.assert_allclose(ga_uncertainty(sp, 800.5).numpy(), [expected], rtol=1e-9)
+
+
 def test_ga_uncertainty_by_hand():
     sp = votes_to_probs(GA_VOTES, 5)
     u = ga_uncertainty(sp, 2.5)

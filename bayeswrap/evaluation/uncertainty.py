@@ -388,7 +388,10 @@ def _ga(count: torch.Tensor, s: int, cutoffs: torch.Tensor) -> torch.Tensor:
     g = count - 1
     var = g * (n - g) / n
     z = (cutoffs - g) / var.clamp_min(torch.finfo(torch.float64).tiny).sqrt()
-    return torch.where(var > 0, torch.special.ndtr(z), (g < cutoffs).to(torch.float64))
+    # Φ(z) = erfc(-z/√2)/2 keeps its relative accuracy in the lower tail; torch.special.ndtr (1 + erf)/2
+    # cancels to exactly 0 below z ≈ -8.3, which would tie every confident example at U = 0
+    phi = 0.5 * torch.special.erfc(-z / math.sqrt(2.0))
+    return torch.where(var > 0, phi, (g < cutoffs).to(torch.float64))
 
 
 def ga_uncertainty(sample_probs: ArrayLike, cutoff: float) -> torch.Tensor:
