@@ -205,9 +205,8 @@ def _write_plots(run_dir: Path, report: dict, arrays: dict, history: list[dict],
     _write_uncertainty_plots(run_dir, {cfg.method: report}, temperature_scaled=cfg.method)
 
 
-def _write_uncertainty_plots(folder: Path, reports: dict[str, dict], *, temperature_scaled: str | None) -> list[Path]:
+def _write_uncertainty_plots(folder: Path, reports: dict[str, dict], *, temperature_scaled: str | None) -> None:
     """shift.png, risk_coverage.png and gamma.png of one or several methods' final reports."""
-    written = []
     s = {m: r["num_samples"] for m, r in reports.items()}
     label = ", ".join(sorted({f"S = {v}" for v in s.values()}))
     if any(k in r["shift"] for r in reports.values() for k in ("rotation", "noise")):
@@ -215,15 +214,11 @@ def _write_uncertainty_plots(folder: Path, reports: dict[str, dict], *, temperat
         plots.shift_curves({m: r["shift"] for m, r in reports.items()}, folder / "shift.png",
                            temperature_scaled=baseline, title=f"Dataset shift ({label}; TS: temperature from "
                                                                "in-distribution validation)")
-        written.append(folder / "shift.png")
     plots.risk_coverage_curves({m: r["selective"] for m, r in reports.items()}, folder / "risk_coverage.png",
                                title=f"Selective prediction ({label})")
-    written.append(folder / "risk_coverage.png")
     if any(r["gamma"] for r in reports.values()):
         plots.gamma_curves({m: r["gamma"] for m, r in reports.items()}, folder / "gamma.png",
                            title=f"γ(α) of the uncertainty measures ({label})")
-        written.append(folder / "gamma.png")
-    return written
 
 
 def _setup_logging(run_dir: Path) -> logging.Handler:
