@@ -113,9 +113,7 @@ class RunConfig:
                   ("num_samples", self.num_samples >= 0, ">= 0"), ("n_bins", self.n_bins >= 1, ">= 1"),
                   ("burn_in_epochs", self.burn_in_epochs >= 0, ">= 0"), ("thinning", self.thinning >= 1, ">= 1"),
                   ("img_size", self.img_size >= 0, ">= 0"), ("num_workers", self.num_workers >= 0, ">= 0")]
-        self.rotation_angles(), self.noise_stds()  # parse (raises on bad lists)
-        if self.ood_classes.strip() not in ("", "auto"):
-            self.held_out_classes()
+        self.rotation_angles(), self.noise_stds(), self.held_out_classes()  # parse (raises on bad lists)
         for name, ok, rule in checks:
             value = getattr(self, name)
             if isinstance(value, float) and not math.isfinite(value):
