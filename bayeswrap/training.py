@@ -10,9 +10,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from . import optim as bw_optim
 from .methods.base import BayesianModel
-from .methods.sgld import SGLD
 from .predictive import evaluate, model_device
 from .schedules import check_factor
 
@@ -65,16 +63,23 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         ``val_nll``/``val_error`` (or ``val_rmse``) with a val loader.
 
     Raises:
-        ValueError: if an SGLD model is paired with another optimizer, or
+        ValueError: if a model is paired with an optimizer other than its
+            ``required_optimizer`` (SGLD needs :class:`bayeswrap.optim.SGLD`), or
             ``epochs`` < 1.
         FloatingPointError: if the loss becomes NaN or infinite (the message says
             where; with early stopping the best state so far is kept).
     """
-    if isinstance(bnn, SGLD) and not isinstance(optimizer, bw_optim.SGLD):
-        raise ValueError(f"an SGLD model must be trained with bayeswrap.optim.SGLD, got {type(optimizer).__name__}; "
-                         "the Langevin noise must not pass through momentum or adaptive scaling")
+    required = bnn.required_optimizer
+    if required is not None and not isinstance(optimizer, required):
+        raise ValueError(f"a {bnn.method!r} model must be trained with bayeswrap.optim.{required.__name__}, "
+                         f"got {type(optimizer).__name__}; the method's update lives in that optimizer")
     if int(epochs) != epochs or epochs < 1:
         raise ValueError(f"epochs={epochs!r} must be an integer >= 1")
+    try:
+        num_steps = (epochs - start_epoch) * len(train_loader)
+    except TypeError:  # an iterable without a length
+        num_steps = None
+    bnn.before_fit(num_steps)
     device = model_device(bnn)
     classification = bnn.likelihood.name == "categorical"
     history: list[dict] = []

@@ -107,6 +107,8 @@ class BayesianModel(nn.Module, ABC):
     """
 
     method = "base"
+    #: optimizer class a method must be trained with (SGLD and IVON own their update), or None for any
+    required_optimizer: type | None = None
     bias_options: tuple[str, ...] = ("informative", "uninformative")
     allows_no_prior = False
 
@@ -180,6 +182,15 @@ class BayesianModel(nn.Module, ABC):
         """A training sample and the regulariser; methods may fuse the two (VI does)."""
         return self._train_sample(), self.regularizer()
 
+    def before_fit(self, num_steps: int | None) -> None:
+        """Called by :func:`bayeswrap.fit` before the first step.
+
+        Args:
+            num_steps: optimizer steps the fit will run (epochs × batches per
+                epoch, counting from ``start_epoch``), or ``None`` when the loader
+                has no length. SGLD uses it for ``burn_in="auto"``.
+        """
+
     def after_step(self) -> None:
         """Called by :func:`bayeswrap.fit` after every optimizer step."""
 
@@ -205,7 +216,10 @@ class BayesianModel(nn.Module, ABC):
         wants a larger learning rate, as in BayesDLL's ``lr_head``). Point-estimate
         groups carry ``noise_scale=0.0`` so that :class:`bayeswrap.optim.SGLD`
         adds no Langevin noise to non-Bayesian parameters; other optimizers
-        ignore the extra key. Empty groups are omitted.
+        ignore the extra key. Posterior groups carry ``weight_decay=0.0``: their
+        prior is already in the loss (the KL or −log prior term), so an
+        optimizer's own weight decay (AdamW's default 0.01) would count it twice.
+        Empty groups are omitted.
 
         Args:
             head: model parameter names (as in ``model.named_parameters()``).
@@ -225,6 +239,8 @@ class BayesianModel(nn.Module, ABC):
             group["params"].append(p)
             if name.startswith("point"):
                 group["noise_scale"] = 0.0
+            else:
+                group["weight_decay"] = 0.0
             if name.endswith("/head") and lr_head is not None:
                 group["lr"] = lr_head
         order = ["posterior", "posterior/head", "point", "point/head"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import optim as bw_optim
 from ..functional import NamedTensors
 from .base import NotFittedError, register_method
 from .map import MAP
@@ -32,6 +33,8 @@ class SGLD(MAP):
         moment_mean, moment_m2: Welford accumulators of the kept iterates.
         num_steps, num_kept: step and kept-sample counters (0-d int64 buffers).
     """
+
+    required_optimizer = bw_optim.SGLD
 
     def __init__(self, model, *, burn_in: int = 0, thinning: int = 10, **kwargs):
         if isinstance(burn_in, bool) or int(burn_in) != burn_in or burn_in < 0:
