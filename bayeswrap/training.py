@@ -79,7 +79,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         num_steps = (epochs - start_epoch) * len(train_loader)
     except TypeError:  # an iterable without a length
         num_steps = None
-    bnn.before_fit(num_steps)
+    bnn.before_fit(num_steps, optimizer)
     device = model_device(bnn)
     classification = bnn.likelihood.name == "categorical"
     history: list[dict] = []

@@ -182,13 +182,15 @@ class BayesianModel(nn.Module, ABC):
         """A training sample and the regulariser; methods may fuse the two (VI does)."""
         return self._train_sample(), self.regularizer()
 
-    def before_fit(self, num_steps: int | None) -> None:
+    def before_fit(self, num_steps: int | None, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Called by :func:`bayeswrap.fit` before the first step.
 
         Args:
             num_steps: optimizer steps the fit will run (epochs × batches per
                 epoch, counting from ``start_epoch``), or ``None`` when the loader
                 has no length. SGLD uses it for ``burn_in="auto"``.
+            optimizer: the optimizer the fit steps (a method that drives its
+                own step-size schedule, e.g. cyclical SGLD, sets it per step).
         """
 
     def after_step(self) -> None:
