@@ -19,7 +19,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 
 def standard_normal_like(tensors: Sequence[torch.Tensor], generator: torch.Generator | None = None,
@@ -44,39 +43,40 @@ def _sum_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _MeanFieldSample(torch.autograd.Function):
-    """θ = m + softplus(ρ) ⊙ ε and KL(N(m, s²) || N(θ̄, σ²)) in one pass, gradients in closed form.
+    """θ = m + exp(κρ) ⊙ ε and KL(N(m, s²) || N(θ̄, σ²)) in one pass, gradients in closed form.
 
     Inputs: ``(info, *m, *rho)``; outputs ``(*theta, kl)``. Saved for backward:
     m and ρ (the parameters themselves), θ (which the network keeps for its own
-    backward anyway) and s = softplus(ρ) (one parameter-sized copy, to avoid
-    recomputing the softplus). ε is recovered as (θ − m)/s.
+    backward anyway) and s = exp(κρ) (one parameter-sized copy). ε is
+    recovered as (θ − m)/s.
     """
 
     @staticmethod
     def forward(ctx, info, *tensors):
-        n, prior_idx, prior_means, var0, log_std0, generator = info
+        n, prior_idx, prior_means, var0, log_std0, generator, kappa = info
         m, rho = list(tensors[:n]), list(tensors[n:])
-        s = [F.softplus(r) for r in rho]
+        s = torch._foreach_exp(torch._foreach_mul(rho, kappa))
         theta = torch._foreach_addcmul(m, s, standard_normal_like(m, generator))
         kl = m[0].new_zeros(())
         if prior_idx:
             mp, sp = [m[i] for i in prior_idx], [s[i] for i in prior_idx]
             diff = torch._foreach_sub(mp, prior_means)
-            log_s = torch.stack([t.sum() for t in torch._foreach_log(sp)]).sum()
+            log_s = kappa * torch.stack([rho[i].sum() for i in prior_idx]).sum()  # Σ log s = κ Σ ρ
             count = sum(t.numel() for t in mp)
             kl = (_sum_squares(diff) + _sum_squares(sp)) / (2 * var0) - log_s + count * (log_std0 - 0.5)
-        ctx.info = (n, prior_idx, prior_means, var0)
+        ctx.info = (n, prior_idx, prior_means, var0, kappa)
         ctx.save_for_backward(*m, *rho, *theta, *s)
         return (*theta, kl)
 
     @staticmethod
     def backward(ctx, *grads):
-        n, prior_idx, prior_means, var0 = ctx.info
+        n, prior_idx, prior_means, var0, kappa = ctx.info
         saved = ctx.saved_tensors
         m, rho, theta, s = (list(saved[i * n:(i + 1) * n]) for i in range(4))
         g = [torch.zeros_like(t) if gi is None else gi for gi, t in zip(grads[:n], theta)]
         k = 0.0 if grads[n] is None or not prior_idx else float(grads[n])  # d loss / d KL
-        # ∂L/∂s = g ⊙ ε + k (s/σ² − 1/s) = [g ⊙ (θ − m) + k (s²/σ² − 1)] / s, with ε = (θ − m)/s
+        # ∂L/∂s = g ⊙ ε + k (s/σ² − 1/s) and ∂s/∂ρ = κ s, so with ε = (θ − m)/s
+        # ∂L/∂ρ = κ [g ⊙ (θ − m) + k (s²/σ² − 1)]  (no division by s)
         grad_rho = list(torch._foreach_sub(theta, m))
         torch._foreach_mul_(grad_rho, g)
         grad_m = list(g)  # ∂L/∂m = g + k (m − θ̄)/σ²
@@ -87,32 +87,34 @@ class _MeanFieldSample(torch.autograd.Function):
             diff = torch._foreach_sub([m[i] for i in prior_idx], prior_means)
             for i, gm in zip(prior_idx, torch._foreach_add([g[i] for i in prior_idx], diff, alpha=k / var0)):
                 grad_m[i] = gm
-        torch._foreach_div_(grad_rho, s)
-        torch._foreach_mul_(grad_rho, torch._foreach_sigmoid(rho))  # softplus'(ρ) = sigmoid(ρ)
+        torch._foreach_mul_(grad_rho, kappa)
         return (None, *grad_m, *grad_rho)
 
 
 def mean_field_sample(m: list[torch.Tensor], rho: list[torch.Tensor], prior_idx: list[int],
-                      prior_means: list[torch.Tensor], prior_std: float,
+                      prior_means: list[torch.Tensor], prior_std: float, log_std_scale: float = 1.0,
                       generator: torch.Generator | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Reparameterised sample of a mean-field Gaussian and its analytic KL to N(θ̄, σ² I).
 
-    θ_i = m_i + softplus(ρ_i) ε_i with ε ~ N(0, I) (Blundell et al. 2015), and
+    θ_i = m_i + s_i ε_i with s_i = exp(κ ρ_i) and ε ~ N(0, I) (Blundell et al.
+    2015; the std parameterisation of :class:`bayeswrap.VI`), and
     KL = Σ_{i ∈ prior_idx} [log(σ/s_i) + (s_i² + (m_i − θ̄_i)²)/(2σ²) − 1/2]
     (BayesDLL eq. 7). Gradients w.r.t. m and ρ are written in closed form.
 
     Args:
         m: variational means, one tensor per parameter.
-        rho: softplus-inverse stds, same shapes.
+        rho: scaled log-stds ρ = log(s)/κ, same shapes.
         prior_idx: indices of the tensors that have a prior (the others get no KL term).
         prior_means: θ̄ for the tensors in ``prior_idx``, in that order.
         prior_std: σ > 0.
+        log_std_scale: κ > 0.
         generator: optional ``torch.Generator`` for ε.
 
     Returns:
         ``(theta, kl)``: the sampled tensors and the scalar KL in nats.
     """
-    info = (len(m), list(prior_idx), list(prior_means), float(prior_std) ** 2, math.log(prior_std), generator)
+    info = (len(m), list(prior_idx), list(prior_means), float(prior_std) ** 2, math.log(prior_std), generator,
+            float(log_std_scale))
     out = _MeanFieldSample.apply(info, *m, *rho)
     return list(out[:-1]), out[-1]
 

@@ -41,7 +41,7 @@ from .methods.base import BayesianModel, NotFittedError, finite_float
 
 RULES = ("log_alpha", "snr")
 DEFAULT_THRESHOLDS = {"log_alpha": 3.0, "snr": 0.83}
-PRUNED_RHO = -1.0e4  # softplus(-1e4) == 0 exactly in float16/32/64: a Graves-VI std of exactly zero
+PRUNED_RHO = -1.0e4  # exp(κ · -1e4) == 0 exactly for κ ≥ 0.7 (N ≥ 1): a VI std of exactly zero
 
 __all__ = ["RULES", "DEFAULT_THRESHOLDS", "NotTrainedError", "TensorSparsity", "SparsityReport", "SparsityMixin",
            "check_rule", "pruning_masks", "sparsity", "prune", "prune_random", "to_deterministic"]
@@ -415,7 +415,7 @@ class SparsityMixin:
 
     A method states how its posterior is pruned in :meth:`_apply_prune`; the
     default here handles the ``mean`` / ``rho`` layout of Graves VI
-    (s = softplus(ρ): mean ← 0, ρ ← −10⁴ so that s is exactly 0).
+    (s = exp(κρ): mean ← 0, ρ ← −10⁴ so that s is exactly 0).
 
     Attributes:
         default_sparsity_rule: ``"snr"`` here; ``"log_alpha"`` for sparse/Kingma VD.
