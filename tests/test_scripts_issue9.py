@@ -36,7 +36,7 @@ def test_fast_mode_writes_md_json_png(fast_run):
     assert all(p.parent == out and p.exists() for p in (md, js, png))
     assert png.stat().st_size > 10_000
     text = md.read_text()
-    for needle in ("| model | test accuracy | K |", "dissertation std", "FAST MODE", "## Ties", "issue 10"):
+    for needle in ("| model | test accuracy | K |", "dissertation std", "FAST MODE", "## Ties", "Adam at one learning rate"):
         assert needle in text, needle
     data = json.loads(js.read_text())
     assert data["fast"] is True and set(data["models"]) == {"mlp", "cnn"}
