@@ -8,6 +8,7 @@
 
 from . import optim
 from .methods import (
+    IVON,
     MAP,
     METHODS,
     SGLD,
@@ -22,7 +23,7 @@ from .methods import (
     method_options,
     wrap,
 )
-from . import calibration, evaluation, schedules, sparsity, uncertainty  # isort: skip  (after .methods: sparsity imports methods.base)
+from . import calibration, evaluation, samples, schedules, sparsity, tuning, uncertainty  # isort: skip  (after .methods: sparsity imports methods.base)
 from .schedules import KLSchedule  # isort: skip
 from .predictive import evaluate, predict_loader, sample_probs_loader
 from .training import fit
@@ -30,5 +31,5 @@ from .training import fit
 __version__ = "0.1.0"
 
 __all__ = ["wrap", "fit", "evaluate", "predict_loader", "sample_probs_loader", "BayesianModel", "LossOutput", "NotFittedError", "METHODS",
-           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "SparseVD", "KingmaVD", "optim", "schedules", "KLSchedule",
-           "sparsity", "calibration", "evaluation", "uncertainty", "__version__"]
+           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "IVON", "SparseVD", "KingmaVD", "optim", "schedules", "KLSchedule",
+           "sparsity", "calibration", "evaluation", "uncertainty", "samples", "tuning", "__version__"]

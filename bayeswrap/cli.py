@@ -40,11 +40,13 @@ from .data import DataError, load_data
 from .functional import select_parameters
 from .io import load_checkpoint, save_checkpoint, write_json, write_text, write_yaml
 from .methods import METHODS, method_options, wrap
+from .methods.sgld import BURN_IN_FRACTION
 from .models import create_model, data_config, head_parameter_names
-from .optim import SGLD
+from . import optim as bw_optim
 from .predictive import evaluate as evaluate_loader
 from .predictive import sample_probs_loader
 from .training import fit
+from .tuning import tune, tuning_option
 
 log = logging.getLogger("bayeswrap")
 
@@ -130,15 +132,23 @@ def build(cfg: RunConfig, *, for_evaluation: bool = False):
         prior_mean = cfg.prior_mean
     num_data = max(1, round(len(splits.train) * cfg.num_data_inflate))
     options = {k: getattr(cfg, k) for k in method_options(cfg.method) if k in FIELDS}
+    if cfg.method == "laplace":
+        # the reports score every method by the same S-sample protocol, so the GLM predictive is sampled too
+        options["link_approx"] = "mc"
     if cfg.method == "sgld":
-        steps = (len(splits.train) + cfg.batch_size - 1) // cfg.batch_size
-        options["burn_in"] = round(cfg.burn_in_epochs * steps)
-        # keep samples even in short runs: burn-in at most half of training, and one thinning interval before the end
-        longest = max(0, min(cfg.epochs * steps // 2, cfg.epochs * steps - cfg.thinning))
-        if options["burn_in"] > longest:
-            options["burn_in"] = longest
-            log.warning("sgld: burn_in_epochs=%s leaves too few samples in %d epochs; burn-in shortened to %d steps",
-                        cfg.burn_in_epochs, cfg.epochs, options["burn_in"])
+        options["cycles"] = cfg.cycles or None
+        options["burn_in"] = "auto"
+        if not cfg.cycles:
+            steps = (len(splits.train) + cfg.batch_size - 1) // cfg.batch_size
+            epochs = cfg.epochs * BURN_IN_FRACTION if cfg.burn_in() is None else cfg.burn_in()
+            options["burn_in"] = round(epochs * steps)
+            # keep samples even in short runs: burn-in at most half of training, and one thinning interval
+            # before the end
+            longest = max(0, min(cfg.epochs * steps // 2, cfg.epochs * steps - cfg.thinning))
+            if options["burn_in"] > longest:
+                options["burn_in"] = longest
+                log.warning("sgld: burn_in_epochs=%s leaves too few samples in %d epochs; burn-in shortened to %d "
+                            "steps", cfg.burn_in_epochs, cfg.epochs, options["burn_in"])
     bnn = wrap(model, cfg.method, num_data=num_data, prior_std=cfg.prior_std, prior_mean=prior_mean,
                bias=cfg.bias, params=patterns, kl_weight=cfg.kl_weight, **options)
     device = _device(cfg.device)
@@ -242,12 +252,17 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
     return run_dir
 
 
-def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None) -> tuple[Path, dict]:
+def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict | None = None,
+            ) -> tuple[Path, dict]:
     """Trains one configuration end to end and writes its run folder.
 
     Args:
         cfg: a validated config.
         sample_counts: the S values of the final reports (default ``[cfg.num_samples]``).
+        tuning: the tuning record to store in ``metrics.json`` (``compare``). A
+            record for ``"prior_precision"`` (Laplace) is carried out here, after
+            the curvature is fitted: its ``grid`` is scored on validation and the
+            best value set.
 
     Returns:
         ``(run_dir, metrics)``.
@@ -259,19 +274,64 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None) -> tuple[Pat
     handler = _setup_logging(run_dir)
     try:
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
-        return run_dir, _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_counts)
+        return run_dir, _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_counts, tuning)
     finally:
         log.removeHandler(handler)
         handler.close()
 
 
-def _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_counts):
-    lr_head = cfg.lr_head or None
-    if cfg.method == "sgld":
-        optimizer = SGLD(bnn.param_groups(head, lr_head), lr=cfg.lr, num_data=bnn.num_data,
-                         noise_scale=cfg.noise_scale)
-    else:
-        optimizer = torch.optim.SGD(bnn.param_groups(head, lr_head), lr=cfg.lr, momentum=cfg.momentum)
+def make_optimizer(cfg: RunConfig, bnn, head) -> torch.optim.Optimizer:
+    """The optimizer of a run: the method's own (SGLD, IVON) if it has one, else SGD with momentum."""
+    groups = bnn.param_groups(head, cfg.lr_head or None)
+    if bnn.required_optimizer is bw_optim.SGLD:
+        return bw_optim.SGLD(groups, lr=cfg.lr, num_data=bnn.num_data, noise_scale=cfg.noise_scale)
+    if bnn.required_optimizer is not None:
+        return bnn.required_optimizer(groups, lr=cfg.lr)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+
+
+def tuning_score(cfg: RunConfig, num_samples: int) -> float:
+    """Validation NLL of one tuning candidate: trained exactly as ``fit`` trains, nothing written.
+
+    The model is trained for ``cfg.epochs`` epochs, the best-validation epoch is
+    kept (as ``best.pt`` is in a run), the method is finalised (Laplace fits its
+    curvature) and the posterior predictive with ``num_samples`` samples is
+    scored on the validation set. A run whose loss diverges scores ``inf``.
+    """
+    splits, _, bnn, head, device = build(cfg)
+    if not len(splits.val):
+        raise ValueError("tuning needs validation data: set val_fraction > 0, or pass --no-tune")
+    optimizer = make_optimizer(cfg, bnn, head)
+    val_loader = _eval_loader(splits.val, cfg)
+    try:
+        fit(bnn, EpochLoader(splits.train, cfg.batch_size, cfg.seed, cfg.num_workers), epochs=cfg.epochs,
+            optimizer=optimizer, val_loader=val_loader,
+            early_stopping_patience=cfg.epochs if bnn.select_best_epoch else None,
+            autocast_dtype=torch.bfloat16 if cfg.amp else None, progress=False, finalize=False)
+    except FloatingPointError:
+        return float("inf")
+    bnn.after_fit(_eval_loader(splits.train, cfg))
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    return evaluate_loader(bnn, val_loader, num_samples, generator=gen)["nll"]
+
+
+def _tune_prior_precision(bnn, splits, cfg: RunConfig, tuning: dict, num_samples: int, device) -> dict:
+    """Laplace's post-hoc prior precision: the grid value with the lowest validation NLL, set on ``bnn``."""
+    val_loader = _eval_loader(splits.val, cfg)
+
+    def val_nll(value: float) -> float:
+        bnn.prior_precision = value
+        gen = torch.Generator(device=device).manual_seed(cfg.seed)
+        return evaluate_loader(bnn, val_loader, num_samples, generator=gen)["nll"]
+
+    record = {"option": "prior_precision", **tune(tuning["grid"], val_nll)}
+    bnn.prior_precision = record["chosen"]
+    log.info("laplace: prior precision %g chosen by validation NLL over %s", record["chosen"], record["grid"])
+    return record
+
+
+def _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_counts, tuning=None):
+    optimizer = make_optimizer(cfg, bnn, head)
     train_loader = EpochLoader(splits.train, cfg.batch_size, cfg.seed, cfg.num_workers)
     val_loader = _eval_loader(splits.val, cfg) if len(splits.val) else None
     test_loader = _eval_loader(splits.test, cfg)
@@ -294,7 +354,8 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_
         record.update({f"test_{k}": v for k, v in
                        evaluate_loader(bnn, test_loader, 0, allow_point_estimate=True).items()})
         state["history"].append(record)
-        val_nll = record.get("val_nll", -float(epoch))  # without validation data the last epoch is best
+        # without validation data, or for a sampler (its posterior is the whole chain), the last epoch is best
+        val_nll = record.get("val_nll", -float(epoch)) if bnn.select_best_epoch else -float(epoch)
         if val_nll < state["best_val_nll"]:
             state["best_val_nll"], state["best_epoch"] = val_nll, epoch + 1
             save_checkpoint(run_dir / "best.pt", bnn.state_dict())
@@ -312,6 +373,8 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_
     # finalise on the best-validation state (Laplace fits its curvature there) and save it
     bnn.load_state_dict(load_checkpoint(run_dir / "best.pt"))
     bnn.after_fit(_eval_loader(splits.train, cfg))
+    if tuning is not None and tuning.get("option") == "prior_precision":
+        tuning = _tune_prior_precision(bnn, splits, cfg, tuning, sample_counts[-1], device)
     save_checkpoint(run_dir / "best.pt", bnn.state_dict())
     reports = {}
     for s in sample_counts:
@@ -320,6 +383,8 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_
         if s == sample_counts[-1]:
             _write_plots(run_dir, report, arrays, state["history"], cfg)
     metrics = {"history": state["history"], "best_epoch": state["best_epoch"], "final": reports}
+    if tuning is not None:
+        metrics["tuning"] = tuning
     write_json(run_dir / "metrics.json", metrics)
     log.info("final: %s", {s: {k: r["T1"][k] for k in ("error", "ece", "nll")} for s, r in reports.items()})
     return metrics
@@ -348,7 +413,7 @@ def evaluate_run(run_dir: str | Path, num_samples: int | None = None) -> dict:
     return report
 
 
-BAYESDLL_METHODS = ("map", "vi", "mc_dropout", "sgld", "laplace")
+COMPARE_METHODS = ("map", "vi", "ivon", "mc_dropout", "sgld", "laplace")
 COMPARE_COLUMNS = ("method", "num_samples", "error", "ece", "nll", "ece_Topt", "nll_Topt", "temperature",
                    "shift_error", "shift_ece", "shift_nll", "shift_ece_Topt", "shift_nll_Topt",
                    "ood_auroc_entropy", "ood_auroc_mi")
@@ -393,7 +458,7 @@ def _csv(rows: list[dict]) -> str:
 
 
 def run_compare(config_path: str | None, overrides: dict, methods: list[str],
-                sample_counts: list[int]) -> tuple[Path, list[dict]]:
+                sample_counts: list[int], tune_options: bool = True) -> tuple[Path, list[dict]]:
     """Every method on the same data and split; writes comparison.md/.csv and the comparison figures.
 
     Figures (in the comparison folder, all at the last S of ``sample_counts``):
@@ -403,6 +468,13 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
 
     Each method's options are resolved as for ``fit`` with ``--method`` set
     (so ``per_method`` entries apply), and each method gets its own run folder.
+
+    With ``tune_options`` (the default; ``--no-tune`` turns it off) every method
+    first selects its key option (:data:`bayeswrap.tuning.TUNING`) by the
+    validation NLL of the posterior predictive at the last S of
+    ``sample_counts``, each grid point trained on the same budget; the final run
+    uses the chosen value, and each ``metrics.json`` records the grid, the
+    validation NLLs and the choice under ``"tuning"``.
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
@@ -418,7 +490,17 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
     for method in methods:
         run_cfg = replace(configs[method], out_dir=str(base), run_name=method, overwrite=False,
                           resume=cfg.resume and (base / method / "last.pt").is_file())
-        _, results[method] = run_fit(run_cfg.validate(), sample_counts)
+        tuning = None
+        knob = tuning_option(method) if tune_options else None
+        if knob is not None and knob[0] == "prior_precision":
+            tuning = {"option": knob[0], "grid": list(knob[1])}  # post hoc, inside run_fit
+        elif knob is not None:
+            option, grid = knob
+            log.warning("compare: tuning %s's %s over %s by validation NLL", method, option, list(grid))
+            tuning = {"option": option, **tune(grid, lambda v: tuning_score(
+                replace(run_cfg, **{option: v}).validate(), sample_counts[-1]))}
+            run_cfg = replace(run_cfg, **{option: tuning["chosen"]})
+        _, results[method] = run_fit(run_cfg.validate(), sample_counts, tuning)
     rows = comparison_rows(results)
     write_text(base / "comparison.md", _markdown(rows))
     write_text(base / "comparison.csv", _csv(rows))
@@ -462,11 +544,14 @@ def make_parser() -> argparse.ArgumentParser:
     _add_config_options(p_fit)
     p_cmp = sub.add_parser("compare", help="run several methods on the same data and split; write a table")
     _add_config_options(p_cmp, skip=("method", "num_samples"))
-    p_cmp.add_argument("--methods", default=",".join(BAYESDLL_METHODS),
-                       help=f"comma-separated methods (default: {','.join(BAYESDLL_METHODS)}; also: "
-                            f"{','.join(m for m in METHODS if m not in BAYESDLL_METHODS)})")
+    p_cmp.add_argument("--methods", default=",".join(COMPARE_METHODS),
+                       help=f"comma-separated methods (default: {','.join(COMPARE_METHODS)}; also: "
+                            f"{','.join(m for m in METHODS if m not in COMPARE_METHODS)})")
     p_cmp.add_argument("--num-samples", default="0,5", dest="num_samples_list",
                        help="comma-separated posterior sample counts S (default: 0,5)")
+    p_cmp.add_argument("--no-tune", action="store_false", dest="tune",
+                       help="skip the tuning of each method's key option by validation NLL "
+                            "(bayeswrap.tuning.TUNING); use the configured values")
     p_ev = sub.add_parser("evaluate", help="re-evaluate a saved run (calibration, shift, OOD) with another number "
                                            "of samples")
     p_ev.add_argument("run_dir", help="a run folder written by fit/compare")
@@ -493,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                           if report["ood"]["mutual_information"] else ""))
             return 0
         overrides = {k: v for k, v in vars(args).items()
-                     if k in FIELDS and k not in ("command", "config")}
+                     if k in FIELDS and k not in ("command", "config", "tune")}
         if args.command == "fit":
             cfg = resolve(args.config, overrides)
             run_dir, metrics = run_fit(cfg)
@@ -502,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"NLL={rep['T1']['nll']:.4f}")
             return 0
         base, rows = run_compare(args.config, overrides, [m.strip() for m in args.methods.split(",") if m.strip()],
-                                 _int_list(args.num_samples_list))
+                                 _int_list(args.num_samples_list), tune_options=args.tune)
         print(_markdown(rows))
         print(f"written: {base / 'comparison.md'}, {base / 'comparison.csv'} and figures in {base}")
         return 0

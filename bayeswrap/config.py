@@ -25,8 +25,8 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
-# BayesDLL's MNIST settings (its README), the defaults of the bundled digits job. vanilla's wd=1e-4 is
-# prior_std = 1/sqrt(wd * num_data) ~ 4 for the 628 digits training examples.
+# BayesDLL's MNIST settings (its README), applied only where a config asks for them with
+# ``per_method: bayesdll_mnist``. vanilla's wd=1e-4 is prior_std = 1/sqrt(wd * num_data) ~ 4 for 628 examples.
 BAYESDLL_PER_METHOD = {
     "map": {"prior_std": 4.0, "num_samples": 0},
     "vi": {"prior_std": 1.0, "kl_weight": 1e-3, "bias": "informative"},
@@ -35,6 +35,9 @@ BAYESDLL_PER_METHOD = {
              "thinning": 10, "bias": "informative"},
     "laplace": {"prior_std": 0.01, "num_data_inflate": 1000.0, "bias": "informative"},
 }
+
+#: named ``per_method`` mappings a config can ask for
+PER_METHOD_PRESETS = {"bayesdll_mnist": BAYESDLL_PER_METHOD}
 
 
 @dataclass
@@ -63,10 +66,19 @@ class RunConfig:
     init_std: float = _f(1e-3, "vi: initial posterior std")
     num_train_samples: int = _f(1, "vi/mc_dropout: Monte Carlo samples per training step")
     p_drop: float = _f(0.1, "mc_dropout: drop probability")
-    burn_in_epochs: float = _f(0.0, "sgld: burn-in in epochs (converted to optimizer steps)")
+    burn_in_epochs: str = _f("auto", "sgld: burn-in in epochs (converted to optimizer steps), or auto (the first "
+                             "half of training)")
     thinning: int = _f(10, "sgld: keep every n-th iterate after burn-in (optimizer steps; BayesDLL thin)")
-    noise_scale: float = _f(1.0, "sgld: Langevin noise multiplier (BayesDLL nd)")
-    curvature: str = _f("empirical_fisher", "laplace: empirical_fisher or fisher")
+    noise_scale: float = _f(1.0, "sgld: Langevin noise multiplier (BayesDLL nd); < 1 is a cold posterior, "
+                            "temperature noise_scale²")
+    predictive: str = _f("ensemble", "sgld: ensemble (of the kept iterates) or gaussian (moment-matched, diagonal)")
+    max_samples: int = _f(100, "sgld: most kept iterates stored for the ensemble (thinned by 2 when full)")
+    sample_dtype: str = _f("float32", "sgld: dtype of the stored iterates: float32, bfloat16, float16, float64")
+    cycles: int = _f(0, "sgld: cyclical SGLD cycles (Zhang et al. 2020); 0 = plain SGLD")
+    exploration: float = _f(0.5, "sgld: fraction of each cycle spent exploring (no noise, no samples)")
+    curvature: str = _f("ggn", "laplace: ggn (exact diagonal generalised Gauss-Newton), fisher (Monte Carlo GGN) "
+                        "or empirical_fisher")
+    pred_type: str = _f("glm", "laplace: glm (linearised predictive, Immer et al. 2021) or nn (sampled network)")
     # optimisation
     epochs: int = _f(40, "training epochs")
     lr: float = _f(0.05, "learning rate of the body")
@@ -91,8 +103,9 @@ class RunConfig:
     resume: bool = _f(False, "continue an interrupted run from its last checkpoint")
     overwrite: bool = _f(False, "replace an existing run folder")
     progress: bool = _f(True, "show progress bars")
-    per_method: dict = _f(BAYESDLL_PER_METHOD, "per-method option overrides {method: {option: value}}, "
-                          "applied over the config file, under command-line flags (YAML mapping)")
+    per_method: dict = _f({}, "per-method option overrides {method: {option: value}}, applied over the config "
+                          "file, under command-line flags (YAML mapping), or bayesdll_mnist for BayesDLL's "
+                          "per-method MNIST settings")
 
     def validate(self) -> RunConfig:
         """Checks choices and ranges.
@@ -111,9 +124,16 @@ class RunConfig:
                   ("prior_std", self.prior_std > 0, "> 0"), ("kl_weight", self.kl_weight >= 0, ">= 0"),
                   ("num_data_inflate", self.num_data_inflate > 0, "> 0"),
                   ("num_samples", self.num_samples >= 0, ">= 0"), ("n_bins", self.n_bins >= 1, ">= 1"),
-                  ("burn_in_epochs", self.burn_in_epochs >= 0, ">= 0"), ("thinning", self.thinning >= 1, ">= 1"),
+                  ("thinning", self.thinning >= 1, ">= 1"), ("max_samples", self.max_samples >= 0, ">= 0"),
+                  ("cycles", self.cycles >= 0, ">= 0"), ("exploration", 0 <= self.exploration < 1, "in [0, 1)"),
                   ("img_size", self.img_size >= 0, ">= 0"), ("num_workers", self.num_workers >= 0, ">= 0")]
         self.rotation_angles(), self.noise_stds(), self.held_out_classes()  # parse (raises on bad lists)
+        self.burn_in()
+        for name, accepted in (("predictive", ("ensemble", "gaussian")), ("pred_type", ("glm", "nn")),
+                               ("curvature", ("ggn", "fisher", "empirical_fisher")),
+                               ("sample_dtype", ("float32", "bfloat16", "float16", "float64"))):
+            if getattr(self, name) not in accepted:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not known; accepted: {', '.join(accepted)}")
         for name, ok, rule in checks:
             value = getattr(self, name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -121,6 +141,19 @@ class RunConfig:
             if not ok:
                 raise ValueError(f"{name}={value!r} is out of range; accepted: {rule}")
         return self
+
+    def burn_in(self) -> float | None:
+        """SGLD burn-in in epochs (a finite number >= 0), or None for ``auto``."""
+        text = str(self.burn_in_epochs).strip()
+        if text == "auto":
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"burn_in_epochs={self.burn_in_epochs!r} is not valid; accepted: auto or a number >= 0")
+        return value
 
     def rotation_angles(self) -> tuple[float, ...]:
         """The rotation grid in degrees (finite numbers)."""
@@ -177,10 +210,13 @@ def coerce(name: str, value: Any) -> Any:
         raise ValueError(f"unknown option {name!r}; accepted: {', '.join(FIELDS)}")
     kind = type(FIELDS[name].default) if FIELDS[name].default is not dataclasses.MISSING else dict
     if kind is dict:
+        if isinstance(value, str) and value.strip() in PER_METHOD_PRESETS:
+            return copy.deepcopy(PER_METHOD_PRESETS[value.strip()])
         if isinstance(value, str):
             value = yaml.safe_load(value)
         if not isinstance(value, dict):
-            raise ValueError(f"{name}={value!r} must be a mapping {{method: {{option: value}}}}")
+            raise ValueError(f"{name}={value!r} must be a mapping {{method: {{option: value}}}} or one of "
+                             f"{', '.join(PER_METHOD_PRESETS)}")
         for method, opts in value.items():
             if method not in METHODS or not isinstance(opts, dict):
                 raise ValueError(f"{name}: {method!r} is not a method with an option mapping; "
@@ -231,10 +267,11 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
 def resolve(config_path: str | None, overrides: dict[str, Any]) -> RunConfig:
     """Resolves a run's options: defaults < ``per_method[method]`` < YAML file < command line.
 
-    The built-in ``per_method`` defaults (BayesDLL's per-method MNIST settings)
-    fill in only what the YAML file does not set. A YAML file that has its own
-    ``per_method`` mapping applies it over its plain values instead, so one
-    file can hold a comparison's shared and per-method settings.
+    There are no built-in per-method settings: BayesDLL's per-method MNIST
+    settings apply only where a config asks for them (``per_method:
+    bayesdll_mnist``). A ``per_method`` mapping in the YAML file or on the command line
+    applies over the file's plain values, so one file can hold a comparison's
+    shared and per-method settings.
 
     Raises:
         ValueError: for unknown options or bad values (naming them).

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 # Pets: three breeds (class ids 1..3 as in list.txt); 4 trainval + 2 test images each.
@@ -82,3 +83,12 @@ def fake_imagefolder_root(tmp_path: Path) -> Path:
             for i in range(n):
                 _jpeg(root / split / name / f"{name}{i}.jpg", seed=1000 * c + 10 * i + len(split))
     return root
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: tiny tensors only pay for thread synchronisation, which is slow on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

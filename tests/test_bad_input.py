@@ -80,8 +80,9 @@ def test_gaussian_targets_must_match_outputs():
 
 
 def test_unknown_curvature():
-    with pytest.raises(ValueError, match=r"curvature='ggn' is not known; accepted: \('empirical_fisher', 'fisher'\)"):
-        bw.wrap(_mlp(), "laplace", num_data=10, curvature="ggn")
+    with pytest.raises(ValueError,
+                       match=r"curvature='kfac' is not known; accepted: \('ggn', 'fisher', 'empirical_fisher'\)"):
+        bw.wrap(_mlp(), "laplace", num_data=10, curvature="kfac")
 
 
 @pytest.mark.parametrize("option, value, match", [

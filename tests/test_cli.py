@@ -9,6 +9,7 @@ import torch
 import bayeswrap.cli as cli
 from bayeswrap.io import load_checkpoint
 from bayeswrap.models import create_model
+from bayeswrap.tuning import TUNING
 
 FAST = ["--progress", "false", "--batch-size", "64"]
 
@@ -16,23 +17,24 @@ FAST = ["--progress", "false", "--batch-size", "64"]
 def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
     out = tmp_path / "runs"
     assert cli.main(["compare", "--epochs", "2", "--out-dir", str(out), "--num-samples", "0,3", "--shift-rotations",
-                     "0,45", "--shift-noise", "0,0.5", *FAST]) == 0
+                     "0,45", "--shift-noise", "0,0.5", "--no-tune", *FAST]) == 0
     base = out / "compare-digits-mlp"
     rows = list(csv.DictReader(open(base / "comparison.csv")))
     assert [(r["method"], r["num_samples"]) for r in rows] == [
-        (m, s) for m in ("map", "vi", "mc_dropout", "sgld", "laplace") for s in ("0", "3")]
+        (m, s) for m in ("map", "vi", "ivon", "mc_dropout", "sgld", "laplace") for s in ("0", "3")]
     assert (base / "comparison.md").read_text().startswith(
         "| method | num_samples | error | ece | nll | ece_Topt | nll_Topt | temperature | shift_error | shift_ece | "
         "shift_nll | shift_ece_Topt | shift_nll_Topt | ood_auroc_entropy | ood_auroc_mi |")
     for name in ("reliability.png", "shift.png", "risk_coverage.png", "gamma.png"):
         assert (base / name).stat().st_size > 10_000, name
-    for method in ("map", "vi", "mc_dropout", "sgld", "laplace"):
+    for method in ("map", "vi", "ivon", "mc_dropout", "sgld", "laplace"):
         run = base / method
         for name in ("config.yaml", "metrics.json", "best.pt", "last.pt", "train.log", "reliability_T1.png",
                      "reliability_Topt.png", "temperature_curve.png", "training_curves.png", "shift.png",
                      "risk_coverage.png"):
             assert (run / name).is_file(), (method, name)
         metrics = json.loads((run / "metrics.json").read_text())
+        assert "tuning" not in metrics  # --no-tune
         assert [h["epoch"] for h in metrics["history"]] == [1, 2]
         assert {"train_nll", "val_nll", "test_nll", "train_error", "val_error", "test_error"} <= set(
             metrics["history"][0])
@@ -66,6 +68,29 @@ def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
                                                              rel=1e-9)
         assert float(row["ood_auroc_entropy"]) == pytest.approx(
             metrics["final"]["3"]["ood"]["entropy"]["auroc"], rel=1e-9)
+
+
+def test_compare_tunes_each_method_by_validation_nll(tmp_path):
+    """Default compare: every method's key option is chosen as the grid point with the lowest validation NLL."""
+    out = tmp_path / "runs"
+    assert cli.main(["compare", "--methods", "map,vi,laplace", "--epochs", "2", "--out-dir", str(out),
+                     "--num-samples", "3", "--shift-rotations", "0", "--shift-noise", "0", *FAST]) == 0
+    base = out / "compare-digits-mlp"
+    for method, option in (("map", "prior_std"), ("vi", "kl_weight"), ("laplace", "prior_precision")):
+        run = base / method
+        tuning = json.loads((run / "metrics.json").read_text())["tuning"]
+        assert tuning["option"] == option and tuning["grid"] == list(TUNING[method][1])
+        assert len(tuning["val_nll"]) == len(tuning["grid"])
+        best = min(range(len(tuning["grid"])), key=lambda i: tuning["val_nll"][i])
+        assert tuning["chosen"] == tuning["grid"][best]
+        if option == "prior_precision":  # set post hoc on the fitted Laplace, saved in the checkpoint
+            bnn = cli.build(cli.RunConfig(**cli.load_yaml(run / "config.yaml")).validate(), for_evaluation=True)[2]
+            bnn.load_state_dict(load_checkpoint(run / "best.pt"))
+            assert bnn.prior_precision == pytest.approx(tuning["chosen"])
+        else:  # the final run used the chosen value, and retraining it reproduces its validation NLL
+            cfg = cli.RunConfig(**cli.load_yaml(run / "config.yaml")).validate()
+            assert getattr(cfg, option) == tuning["chosen"]
+            assert cli.tuning_score(cfg, 3) == pytest.approx(tuning["val_nll"][best], rel=1e-6)
 
 
 @pytest.mark.parametrize("dataset, fixture", [("pets", "fake_pets_root"), ("flowers102", "fake_flowers_root"),

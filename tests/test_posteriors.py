@@ -91,7 +91,8 @@ def test_laplace_diagonal_equals_naive_loop(bias):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(23, 5, generator=g, dtype=torch.float64)
     y = torch.randint(0, 3, (23,), generator=g)
-    bnn = bw.wrap(model, "laplace", num_data=23, prior_std=0.7, bias=bias, curvature_chunk_size=4)
+    bnn = bw.wrap(model, "laplace", num_data=23, prior_std=0.7, bias=bias, curvature="empirical_fisher",
+                  curvature_chunk_size=4)
     bnn.fit_curvature([(x[:10], y[:10]), (x[10:], y[10:])])
     fisher = _naive_fisher(model, x, y)
     for n, f in fisher.items():

@@ -159,16 +159,18 @@ def shift_report(predict_shifted: Callable[[str, float], tuple[torch.Tensor, tor
 
     Returns:
         ``{kind: {"intensity": [...], "T1": {metric: [...]}, "Topt": {metric: [...]}},
-        "summary": {metric: mean, metric + "_Topt": mean}}`` with metrics ``error``,
-        ``nll``, ``ece`` (top-label, ``n_bins`` bins); the summary averages every
-        non-zero intensity of every kind (the unshifted test set is reported
-        in distribution), or is ``{}`` if there is none.
+        "summary": {metric: mean, metric + "_Topt": mean}, "summary_by_kind": {kind: {...}}}``
+        with metrics ``error``, ``nll``, ``ece`` (top-label, ``n_bins`` bins); the
+        summary averages every non-zero intensity of every kind (the unshifted
+        test set is reported in distribution), or is ``{}`` if there is none;
+        ``summary_by_kind`` does the same per kind.
 
     Raises:
         ValueError: on a non-positive temperature or bad probabilities.
     """
     out: dict[str, Any] = {}
     pooled: dict[str, list[float]] = {}
+    by_kind: dict[str, dict[str, list[float]]] = {}
     for kind, grid in grids.items():
         if not len(grid):
             continue
@@ -182,9 +184,12 @@ def shift_report(predict_shifted: Callable[[str, float], tuple[torch.Tensor, tor
                 for metric, value in _scores(p, labels, n_bins).items():
                     curves[tag][metric].append(value)
                     if level != 0:
-                        pooled.setdefault(metric if tag == "T1" else f"{metric}_Topt", []).append(value)
+                        key = metric if tag == "T1" else f"{metric}_Topt"
+                        pooled.setdefault(key, []).append(value)
+                        by_kind.setdefault(kind, {}).setdefault(key, []).append(value)
         out[kind] = curves
     out["summary"] = {k: float(np.mean(v)) for k, v in pooled.items()}
+    out["summary_by_kind"] = {kind: {k: float(np.mean(v)) for k, v in d.items()} for kind, d in by_kind.items()}
     return out
 
 

@@ -14,6 +14,7 @@ from .vi import VI  # isort: skip
 from .mc_dropout import MCDropout  # isort: skip
 from .sgld import SGLD  # isort: skip
 from .laplace import Laplace  # isort: skip
+from .ivon import IVON  # isort: skip
 from .sparse_vd import KingmaVD, SparseVD  # isort: skip  (issue 6: log-uniform prior, sparsification)
 
 _COMMON = ("num_data", "prior_std", "prior_mean", "bias", "params", "likelihood", "noise_std", "kl_weight",
@@ -46,7 +47,8 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
 
     Args:
         model: any ``torch.nn.Module``.
-        method: one of ``"map"``, ``"vi"``, ``"mc_dropout"``, ``"sgld"``, ``"laplace"``, or the
+        method: one of ``"map"``, ``"vi"``, ``"mc_dropout"``, ``"sgld"``, ``"laplace"``, ``"ivon"``
+            (Shen et al. 2024; train with ``bw.optim.IVON``), or the
             sparsifying variational-dropout methods ``"sparse_vd"`` (Molchanov et al. 2017) and
             ``"kingma_vd"`` (Kingma et al. 2015).
         num_data: N, the training-set size that scales the prior/KL term.
@@ -61,7 +63,7 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
             the method's own options (see :func:`method_options`):
             vi: ``init_std``, ``num_train_samples``; mc_dropout: ``p_drop``,
             ``num_train_samples``; sgld: ``burn_in``, ``thinning``; laplace:
-            ``curvature``, ``curvature_chunk_size``; sparse_vd: ``init_log_var``;
+            ``curvature``, ``curvature_chunk_size``; ivon: ``hess_init``; sparse_vd: ``init_log_var``;
             kingma_vd: ``init_log_alpha`` (``method_options(name)`` lists them all).
 
     Returns:
@@ -85,4 +87,4 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
 
 
 __all__ = ["METHODS", "BayesianModel", "LossOutput", "NotFittedError", "register_method", "wrap",
-           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "SparseVD", "KingmaVD"]
+           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "IVON", "SparseVD", "KingmaVD"]

@@ -109,6 +109,8 @@ class BayesianModel(nn.Module, ABC):
     method = "base"
     #: optimizer class a method must be trained with (SGLD and IVON own their update), or None for any
     required_optimizer: type | None = None
+    #: whether a run keeps its best-validation epoch (False for samplers, whose posterior is the whole chain)
+    select_best_epoch = True
     bias_options: tuple[str, ...] = ("informative", "uninformative")
     allows_no_prior = False
 

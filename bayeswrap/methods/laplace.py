@@ -1,65 +1,187 @@
-"""Diagonal Laplace approximation with the (empirical) Fisher (BayesDLL §2.4).
+"""Diagonal Laplace approximation with a linearised (GLM) predictive (BayesDLL §2.4).
 
 Training is MAP with the prior term. Afterwards :meth:`Laplace.fit_curvature`
-computes the diagonal posterior variance (eqs. 17–19)
+computes a diagonal curvature c_n for every training example and the diagonal
+posterior N(θ*, diag(v)) with (eqs. 17–19)
 
-    v_i = 1 / (1/σ² + (N / n) Σ_{n} g_{n,i}²),    g_n = ∇_θ [−log p(y_n | x_n, θ*)],
+    v_i = 1 / (δ · 1[θ_i has a prior] + h_i),    h_i = (N / n) Σ_n c_{n,i},
 
-from per-example gradients obtained with ``torch.func.vmap(torch.func.grad(...))``
-over chunks of each batch (no Python loop over examples). n is the number of
-examples seen; with n = N (one pass over the training set) the factor is 1.
-The posterior is N(θ*, diag(v)).
+where δ is the posterior's prior precision (:attr:`Laplace.prior_precision`,
+1/σ² of the training prior until :meth:`Laplace.optimize_prior_precision`
+changes it) and n the number of examples seen (n = N for one pass over the
+training set). The curvature c_n is one of
 
-Reference: MacKay 1992; Ritter et al. 2018; Daxberger et al. 2021 (laplace-torch).
+* ``"ggn"`` (default): the exact diagonal of the generalised Gauss-Newton
+  J_nᵀ Λ_n J_n, with J_n = ∂f(x_n; θ)/∂θ and Λ_n = −∂² log p(y_n | f)/∂f² the
+  likelihood's Hessian in output space (softmax: diag(p) − ppᵀ; Gaussian:
+  I / noise_std²). It is the exact Hessian of the log-likelihood of the
+  linearised model, which makes it the curvature consistent with the GLM
+  predictive and the marginal likelihood (Immer et al. 2021). It is the
+  default (as in laplace-torch) because, unlike the empirical Fisher, it does
+  not vanish where the MAP fits the training labels well; its cost is K
+  vector-Jacobian products per example (``"fisher"`` needs one).
+* ``"fisher"``: g_n² with g_n the gradient at labels ỹ ~ p(y | x_n, θ*) sampled
+  from the model, averaged over ``curvature_samples`` draws. Since
+  E_ỹ[g gᵀ] = Jᵀ Λ J for the categorical and the Gaussian likelihood, this is
+  the Monte Carlo estimate of the GGN ("MC-GGN", unbiased, K times cheaper).
+* ``"empirical_fisher"``: g_n² at the observed labels (BayesDLL's choice). At
+  a well-fitted MAP these gradients are ~0, so most v_i fall back to the prior
+  variance 1/δ (Kunstner et al. 2019).
+
+Predictions use ``pred_type="glm"`` (default) or ``"nn"``:
+
+* ``"glm"``, the linearised predictive (Immer et al. 2021; MacKay 1992):
+  f_lin(x; θ) = f(x; θ*) + J(x)(θ − θ*) with θ ~ N(θ*, diag(v)).
+  ``link_approx="probit"`` (default, as in laplace-torch) uses the diagonal of
+  the functional covariance J diag(v) Jᵀ, computed with per-example
+  vector-Jacobian products, in softmax(f / sqrt(1 + π/8 · var)) (MacKay 1992;
+  Spiegelhalter & Lauritzen 1990), or, for the Gaussian likelihood, in the
+  exact predictive N(f, var + noise_std²). ``link_approx="mc"`` averages over
+  linearised samples, one ``torch.func.jvp`` per sample, vectorised with
+  ``vmap``. No Jacobian over all examples and parameters is ever materialised.
+* ``"nn"``: the network evaluated at sampled weights, (1/S) Σ_s p(y | x, θ_s).
+  Where the posterior variance is large against the weights themselves (weak
+  data curvature, or a prior variance 1/δ that is large where the curvature is
+  ~0), the sampled weights are mostly noise and the predictive can lose the
+  MAP's accuracy entirely; :meth:`Laplace.fit_curvature` warns then.
+
+Memory of the vectorised chunks (P = number of Bayesian parameters, K = outputs):
+
+* per-example gradients (``"fisher"``, ``"empirical_fisher"``):
+  ``curvature_chunk_size`` × P;
+* Jacobian rows (``"ggn"``, probit and Gaussian GLM variances):
+  ``curvature_chunk_size`` × P in rows of J (min(K, chunk) classes of
+  max(1, chunk // K) examples at a time), plus one P-sized term per example;
+* GLM Monte Carlo: ``chunk_size`` × (P + the activations of one forward).
+
+Cost: the probit/Gaussian variances take K vector-Jacobian products per
+example (like the exact GGN); Monte Carlo takes S forward-mode passes per
+batch, which is cheaper when K is large (e.g. ImageNet): set
+``link_approx="mc"`` there.
+
+References:
+    MacKay 1992, "A practical Bayesian framework for backpropagation networks"
+    (Laplace, evidence, the probit link and the fixed point δ = γ / |θ* − θ̄|²);
+    Spiegelhalter & Lauritzen 1990 (probit approximation); Ritter et al. 2018;
+    Kunstner et al. 2019 (limitations of the empirical Fisher); Immer et al. 2021,
+    "Improving predictions of Bayesian neural nets via local linearization"
+    (GLM predictive); Daxberger et al. 2021, "Laplace Redux" (laplace-torch).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import warnings
 
 import torch
-from torch.func import grad, vmap
+from torch.func import grad, jvp, vjp, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..functional import NamedTensors
-from .base import NotFittedError, register_method
+from ..functional import NamedTensors, _mangle
+from ..likelihoods import at_least_float32
+from .base import BayesianModel, NotFittedError, _num_samples, register_method
 from .map import MAP
 
-CURVATURES = ("empirical_fisher", "fisher")
+CURVATURES = ("ggn", "fisher", "empirical_fisher")
+PRED_TYPES = ("glm", "nn")
+LINK_APPROXES = ("mc", "probit")
+TUNING_METHODS = ("marglik", "val")
+#: fit_curvature warns when the posterior variance sums to more than this multiple of Σ θ*²
+NOISE_TO_SIGNAL_WARN = 10.0
+#: a parameter is "prior-dominated" when its data curvature h_i is below this fraction of δ
+PRIOR_DOMINATED_RATIO = 0.01
+#: the marginal-likelihood search for δ stays within these bounds
+MARGLIK_BOUNDS = (1e-10, 1e10)
+#: default grid of the validation search for δ
+DEFAULT_GRID = tuple(10.0 ** (k / 2.5) for k in range(-10, 11))  # logspace(-4, 4, 21)
 
 
 @register_method("laplace")
 class Laplace(MAP):
-    """Diagonal Laplace approximation around the MAP estimate.
+    """Diagonal Laplace approximation around the MAP estimate, with a GLM predictive.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
 
     Args:
-        curvature: ``"empirical_fisher"`` (gradients at the observed labels,
-            the default) or ``"fisher"`` (labels sampled from the model's own
-            predictive p(y | x, θ*): one Monte Carlo sample of the true Fisher).
-        curvature_chunk_size: examples per ``vmap`` chunk when computing
-            per-example gradients; bounds memory to that many gradient copies.
+        curvature: ``"ggn"`` (exact diagonal generalised Gauss-Newton, the
+            default), ``"fisher"`` (Monte Carlo GGN: gradients at labels sampled
+            from the model) or ``"empirical_fisher"`` (gradients at the observed
+            labels). See the module docstring.
+        curvature_chunk_size: per-example gradients (or Jacobian rows for
+            ``"ggn"`` and the GLM variances) per ``vmap`` chunk; bounds memory
+            to that many copies of the Bayesian parameters.
+        curvature_samples: labels sampled per example for ``curvature="fisher"``
+            (the number of Monte Carlo samples of the GGN); integer ≥ 1.
+        pred_type: default predictive of :meth:`predict` and
+            :meth:`sample_logits`: ``"glm"`` (linearised) or ``"nn"`` (sampled
+            weights). Calls may override it.
+        link_approx: default link of the ``"glm"`` :meth:`predict`:
+            ``"probit"`` (deterministic; exact for the Gaussian likelihood) or
+            ``"mc"`` (linearised samples). Calls may override it.
 
     Attributes:
         theta: θ* (trained as MAP).
         posterior_var: v, ``{name: tensor}`` (zeros until fitted).
+        curvature_diag: h = (N/n) Σ_n c_n, the data term of the diagonal
+            posterior precision, ``{name: tensor}`` (zeros until fitted).
+        train_log_likelihood: 0-d float64 buffer, (N/n) Σ_n log p(y_n | x_n, θ*).
         curvature_fitted: 0-d bool buffer.
+        prior_precision: δ, the posterior's prior precision (a float property
+            backed by the 0-d buffer ``_prior_precision``); setting it
+            recomputes ``posterior_var``.
+        pred_type: the default predictive, ``"glm"`` or ``"nn"``.
+        link_approx: the default link of the GLM predictive, ``"probit"`` or ``"mc"``.
+        val_search: after ``optimize_prior_precision("val")``, ``{"grid": [...], "nll": [...]}``.
+
+    Raises:
+        ValueError: on an unknown ``curvature``, ``pred_type`` or
+            ``link_approx``, or a non-positive ``curvature_chunk_size`` /
+            ``curvature_samples``.
     """
 
-    def __init__(self, model, *, curvature: str = "empirical_fisher", curvature_chunk_size: int = 32, **kwargs):
+    def __init__(self, model, *, curvature: str = "ggn", curvature_chunk_size: int = 32,
+                 curvature_samples: int = 1, pred_type: str = "glm", link_approx: str = "probit", **kwargs):
         if curvature not in CURVATURES:
             raise ValueError(f"curvature={curvature!r} is not known; accepted: {CURVATURES}")
-        if int(curvature_chunk_size) < 1:
-            raise ValueError(f"curvature_chunk_size={curvature_chunk_size!r} must be >= 1")
+        for name, value in (("curvature_chunk_size", curvature_chunk_size), ("curvature_samples", curvature_samples)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 or int(value) != value:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
         self.curvature = curvature
         self.curvature_chunk_size = int(curvature_chunk_size)
+        self.curvature_samples = int(curvature_samples)
+        self.pred_type = _check_choice("pred_type", pred_type, PRED_TYPES)
+        self.link_approx = _check_choice("link_approx", link_approx, LINK_APPROXES)
         super().__init__(model, **kwargs)
 
     def _init_posterior(self, init):
         super()._init_posterior(init)
         self.posterior_var = NamedTensors({n: torch.zeros_like(t) for n, t in init.items()}, trainable=False)
+        self.curvature_diag = NamedTensors({n: torch.zeros_like(t) for n, t in init.items()}, trainable=False)
         self.register_buffer("curvature_fitted", torch.zeros((), dtype=torch.bool))
+        self.register_buffer("train_log_likelihood", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("_prior_precision", torch.tensor(1.0 / self.prior_std**2, dtype=torch.float64))
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Loads checkpoints saved before the curvature, δ and log-likelihood were stored.
+
+        Such a checkpoint has ``posterior_var`` = 1/(1/prior_std² + h); h is
+        recovered from it, δ is 1/prior_std², and the training log-likelihood is
+        unknown (NaN: :meth:`log_marginal_likelihood` asks for a new fit).
+        ``load_state_dict`` works on its own copy of the mapping.
+        """
+        var_keys = {n: f"{prefix}posterior_var.{_mangle(n)}" for n in self.posterior_var}
+        if f"{prefix}_prior_precision" not in state_dict and all(k in state_dict for k in var_keys.values()):
+            delta = 1.0 / self.prior_std**2
+            state_dict[f"{prefix}_prior_precision"] = torch.tensor(delta, dtype=torch.float64)
+            state_dict.setdefault(f"{prefix}train_log_likelihood", torch.tensor(math.nan, dtype=torch.float64))
+            for n, key in var_keys.items():
+                v = state_dict[key]
+                h = torch.where(v > 0, 1.0 / v - (delta if self.prior.applies_to(n) else 0.0), torch.zeros_like(v))
+                state_dict.setdefault(f"{prefix}curvature_diag.{_mangle(n)}", h.clamp_min(0))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # ------------------------------------------------------------------ posterior
     def is_ready(self) -> bool:
         return bool(self.curvature_fitted)
 
@@ -69,6 +191,25 @@ class Laplace(MAP):
 
     def _point_estimate(self):
         return self.theta.as_dict()
+
+    @property
+    def prior_precision(self) -> float:
+        """δ, the prior precision of the posterior (1/prior_std² unless changed).
+
+        Only the posterior uses it (v = 1/(δ + h)); the MAP training objective
+        keeps the prior N(θ̄, prior_std²). Setting it (a positive finite number)
+        recomputes ``posterior_var`` when the curvature is fitted.
+
+        Raises:
+            ValueError: when set to a non-positive or non-finite value.
+        """
+        return float(self._prior_precision)
+
+    @prior_precision.setter
+    def prior_precision(self, value) -> None:
+        self._prior_precision.fill_(_positive_precision(value))
+        if self.is_ready():
+            self._update_posterior_var()
 
     def posterior_std(self):
         """sqrt(v), ``{name: tensor}``.
@@ -80,6 +221,19 @@ class Laplace(MAP):
             raise NotFittedError(self._not_ready_message())
         return {n: v.sqrt() for n, v in self.posterior_var.items()}
 
+    def _update_posterior_var(self) -> bool:
+        """v = 1 / (δ·1[prior] + h); returns whether some parameter has zero precision (kept at v = 0)."""
+        delta = self.prior_precision
+        degenerate = False
+        with torch.no_grad():
+            for n, h in self.curvature_diag.items():
+                precision = h + (delta if self.prior.applies_to(n) else 0.0)
+                degenerate |= bool((precision == 0).any())
+                # a parameter with neither prior nor data curvature stays at θ* (zero variance)
+                self.posterior_var[n] = torch.where(precision > 0, 1.0 / precision, torch.zeros_like(precision))
+        return degenerate
+
+    # ------------------------------------------------------------------ curvature
     def after_fit(self, train_loader) -> None:
         """Fits the curvature on the training data once MAP training is done."""
         self.fit_curvature(train_loader)
@@ -102,12 +256,74 @@ class Laplace(MAP):
 
         return vmap(grad(nll_one), in_dims=(None, 0, 0))(theta, x, y)
 
+    def ggn_diagonal(self, x: torch.Tensor, theta=None) -> dict[str, torch.Tensor]:
+        """Σ_n diag(J_nᵀ Λ_n J_n) over a batch: the exact diagonal GGN, without labels.
+
+        Softmax: diag(Jᵀ (diag(p) − ppᵀ) J)_i = Σ_k p_k (J_{k,i} − m_i)² with
+        m = pᵀJ (a non-negative, cancellation-free form). Gaussian:
+        Σ_k J_{k,i}² / noise_std². Rows of J come from ``vmap`` over
+        vector-Jacobian products of one example at a time, at most
+        ``curvature_chunk_size`` rows at once.
+
+        Args:
+            x: inputs, (B, ...).
+            theta: Bayesian parameters; θ* by default.
+
+        Returns:
+            ``{name: tensor of the parameter's shape}``, summed over the batch.
+        """
+        theta = {n: t.detach() for n, t in (theta or self.theta.as_dict()).items()}
+        categorical = self.likelihood.name == "categorical"
+        total = {n: torch.zeros_like(t) for n, t in theta.items()}
+
+        def one(x1, basis, class_chunks):
+            f1, vjp_fn = vjp(lambda th: self.forward_with(th, x1.unsqueeze(0)).reshape(-1), theta)
+            acc = {n: torch.zeros_like(t) for n, t in theta.items()}
+            if categorical:
+                p = at_least_float32(f1).softmax(-1).to(f1.dtype)
+                (mean,) = vjp_fn(p)
+            for ks in class_chunks:
+                (rows,) = vmap(vjp_fn)(basis[ks])
+                for n, r in rows.items():
+                    if categorical:
+                        w = p[ks].reshape(-1, *([1] * (r.dim() - 1)))
+                        acc[n] = acc[n] + ((r - mean[n]).square() * w).sum(0)
+                    else:
+                        acc[n] = acc[n] + r.square().sum(0)
+            if not categorical:
+                acc = {n: a / self.likelihood.noise_std**2 for n, a in acc.items()}
+            return acc
+
+        for per_example in self._per_example_chunks(x, one, theta):
+            torch._foreach_add_(list(total.values()), [per_example[n].sum(0) for n in total])
+        return total
+
+    def _per_example_chunks(self, x: torch.Tensor, one, theta):
+        """Runs ``one(x1, basis, class_chunks)`` under ``vmap`` over chunks of examples.
+
+        Chunks hold at most ``curvature_chunk_size`` Jacobian rows: all K classes of
+        max(1, chunk // K) examples, or chunks of the classes of one example.
+        """
+        with torch.no_grad():
+            k = self.forward_with(theta, x[:1]).numel()
+        ref = next(iter(theta.values()))
+        basis = torch.eye(k, dtype=ref.dtype, device=ref.device)
+        rows = self.curvature_chunk_size
+        per_class = min(k, rows)
+        class_chunks = [slice(s, s + per_class) for s in range(0, k, per_class)]
+        per_example = max(1, rows // k)
+        for start in range(0, x.shape[0], per_example):
+            yield vmap(lambda x1: one(x1, basis, class_chunks))(x[start:start + per_example])
+
     @torch.no_grad()
     def fit_curvature(self, train_loader, generator: torch.Generator | None = None) -> "Laplace":
-        """Computes the diagonal (empirical) Fisher and the posterior variances (eqs. 17–19).
+        """Computes the diagonal curvature, the training log-likelihood and the posterior variances.
 
         The model is evaluated in eval mode (BatchNorm uses its running
-        statistics, dropout is off) so that per-example gradients are defined.
+        statistics, dropout is off) so that per-example quantities are defined.
+        Both the curvature and the log-likelihood are scaled by N/n (n the
+        number of examples seen), so that a subset of the training set
+        estimates the full-data terms.
 
         Args:
             train_loader: iterable of ``(inputs, targets)`` batches, usually the
@@ -116,46 +332,509 @@ class Laplace(MAP):
                 ``curvature="fisher"``.
 
         Returns:
-            self, with ``posterior_var`` filled and ``curvature_fitted`` set.
+            self, with ``curvature_diag``, ``train_log_likelihood`` and
+            ``posterior_var`` filled and ``curvature_fitted`` set.
 
         Raises:
-            ValueError: if the loader yields no examples.
+            ValueError: if the loader yields no examples or the targets do not
+                fit the likelihood.
+
+        Warns:
+            RuntimeWarning: if Σ_i v_i > 10 Σ_i θ*_i² (the weights sampled by
+                ``pred_type="nn"`` are mostly noise; see :meth:`noise_to_signal`),
+                or if some parameter has neither prior nor curvature.
         """
         was_training = self.training
         self.eval()
         device = self.theta.values()[0].device
         theta = {n: t.detach() for n, t in self.theta.items()}
-        fisher = {n: torch.zeros_like(t) for n, t in theta.items()}
+        curv = {n: torch.zeros_like(t) for n, t in theta.items()}
+        log_lik = torch.zeros((), dtype=torch.float64, device=device)
         seen = 0
         try:
             for x, y in train_loader:
                 x, y = x.to(device), y.to(device)
-                if self.curvature == "fisher":
-                    y = self.likelihood.sample_targets(self.forward_with(theta, x), generator=generator)
-                else:
-                    self.likelihood.check_targets(self.forward_with(theta, x[:1]), y[:1])
-                for start in range(0, x.shape[0], self.curvature_chunk_size):
-                    sl = slice(start, start + self.curvature_chunk_size)
-                    with torch.enable_grad():
-                        g = self.per_example_grads(x[sl], y[sl], theta)
-                    # Σ_n g_n² as a squared norm over the example dim: one read of the (chunk, *shape)
-                    # gradients, no chunk-sized temporary
-                    torch._foreach_add_(list(fisher.values()),
-                                        [torch.linalg.vector_norm(g[n], dim=0).square_() for n in fisher])
+                out = self.forward_with(theta, x)
+                self.likelihood.check_targets(out, y)
+                log_lik -= self.likelihood.nll(out, y, reduction="none").double().sum()
+                with torch.enable_grad():
+                    if self.curvature == "ggn":
+                        torch._foreach_add_(list(curv.values()), list(self.ggn_diagonal(x, theta).values()))
+                    elif self.curvature == "fisher":
+                        for _ in range(self.curvature_samples):
+                            sampled = self.likelihood.sample_targets(out, generator=generator)
+                            self._add_squared_grads(curv, x, sampled, theta, 1.0 / self.curvature_samples)
+                    else:
+                        self._add_squared_grads(curv, x, y, theta, 1.0)
                 seen += x.shape[0]
         finally:
             self.train(was_training)
         if seen == 0:
             raise ValueError("fit_curvature got an empty loader; it needs at least one (inputs, targets) batch")
         scale = self.num_data / seen
-        flat_prior = False
-        for n, f in fisher.items():
-            precision = self.prior.precision(n) + scale * f
-            flat_prior |= bool((precision == 0).any())
-            # a parameter with neither prior nor data curvature stays at θ* (zero variance)
-            self.posterior_var[n] = torch.where(precision > 0, 1.0 / precision, torch.zeros_like(precision))
-        if flat_prior:
-            warnings.warn("some parameters have zero prior precision and zero Fisher; their Laplace variance "
-                          "is set to 0 (they stay at the MAP value)", RuntimeWarning, stacklevel=2)
+        for n, c in curv.items():
+            self.curvature_diag[n] = scale * c
+        self.train_log_likelihood.fill_(float(scale * log_lik))
         self.curvature_fitted.fill_(True)
+        if self._update_posterior_var():  # stacklevel 3: the caller, behind torch.no_grad's wrapper
+            warnings.warn("some parameters have zero prior precision and zero curvature; their Laplace variance "
+                          "is set to 0 (they stay at the MAP value)", RuntimeWarning, stacklevel=3)
+        self._warn_if_prior_dominated()
         return self
+
+    def _add_squared_grads(self, acc, x, y, theta, weight: float) -> None:
+        """acc += weight · Σ_n g_n² over ``curvature_chunk_size``-example vmap chunks."""
+        for start in range(0, x.shape[0], self.curvature_chunk_size):
+            sl = slice(start, start + self.curvature_chunk_size)
+            g = self.per_example_grads(x[sl], y[sl], theta)
+            # Σ_n g_n² as a squared norm over the example dim: one read of the (chunk, *shape)
+            # gradients, no chunk-sized temporary
+            torch._foreach_add_(list(acc.values()), [torch.linalg.vector_norm(g[n], dim=0).square_() for n in acc],
+                                alpha=weight)
+
+    def noise_to_signal(self) -> tuple[float, float]:
+        """How much the sampled ``"nn"`` predictive perturbs the weights, for the current δ.
+
+        Returns:
+            ``(ratio, prior_dominated)``: ratio = Σ_i v_i / Σ_i θ*_i² over the
+            Bayesian parameters (the expected squared size of θ − θ* against
+            that of θ*), and the fraction of the parameters with a prior whose
+            data curvature h_i is below 1% of δ (their v_i is the prior's 1/δ).
+            The ratio predicts the collapse of the sampled predictive much
+            better than the fraction, which is largest for strong priors, where
+            1/δ is small and sampling is harmless.
+
+        Raises:
+            NotFittedError: before :meth:`fit_curvature`.
+        """
+        self._check_ready()
+        noise = sum(float(v.double().sum()) for v in self.posterior_var.values())
+        signal = sum(float(t.detach().double().square().sum()) for t in self.theta.values())
+        small = total = 0
+        for n, h in self.curvature_diag.items():
+            if self.prior.applies_to(n):
+                small += int((h < PRIOR_DOMINATED_RATIO * self.prior_precision).sum())
+                total += h.numel()
+        ratio = noise / signal if signal > 0 else (math.inf if noise > 0 else 0.0)
+        return ratio, (small / total if total else 0.0)
+
+    def _warn_if_prior_dominated(self) -> None:
+        ratio, prior_dominated = self.noise_to_signal()
+        if ratio > NOISE_TO_SIGNAL_WARN:
+            advice = ("this model's default pred_type='glm' (the linearised predictive) is much less affected"
+                      if self.pred_type == "glm" else "use pred_type='glm' (the linearised predictive)")
+            delta = self.prior_precision
+            warnings.warn(
+                f"the Laplace posterior variance sums to {ratio:.3g} × Σθ*² (prior precision {delta:.3g}; "
+                f"{prior_dominated:.0%} of the parameters with a prior have data curvature (N/n)·c_i below "
+                f"{PRIOR_DOMINATED_RATIO:.0%} of it, so their variance is the prior's 1/{delta:.3g}): the weights "
+                f"sampled by pred_type='nn' (and bnn.sample()) are mostly noise and that predictive can lose the "
+                f"MAP's accuracy; {advice}, and consider bnn.optimize_prior_precision()",
+                RuntimeWarning, stacklevel=4)  # the caller of fit_curvature (behind torch.no_grad's wrapper)
+
+    # ------------------------------------------------------------------ predictive
+    def _resolve(self, pred_type: str | None, link_approx: str | None) -> tuple[str, str]:
+        """Per-call options or the model's defaults; ``"nn"`` always samples (link ``"mc"``)."""
+        pred_type = self.pred_type if pred_type is None else _check_choice("pred_type", pred_type, PRED_TYPES)
+        if link_approx is None:
+            return pred_type, self.link_approx if pred_type == "glm" else "mc"
+        _check_choice("link_approx", link_approx, LINK_APPROXES)
+        if link_approx == "probit" and pred_type != "glm":
+            raise ValueError("link_approx='probit' needs pred_type='glm'; pred_type='nn' accepts only "
+                             "link_approx='mc' (or None)")
+        return pred_type, link_approx
+
+    @contextlib.contextmanager
+    def _evaluating(self):
+        was_training = self.training
+        self.eval()
+        try:
+            yield
+        finally:
+            self.train(was_training)
+
+    def functional_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and marginal variances of the linearised function, f_lin(x) ~ N(f(x; θ*), J diag(v) Jᵀ).
+
+        var_k(x) = Σ_i J_{k,i}(x)² v_i, the diagonal of the functional covariance
+        (what the probit link of laplace-torch uses), computed from per-example
+        vector-Jacobian products in chunks of ``curvature_chunk_size`` Jacobian
+        rows. Evaluated in eval mode.
+
+        Args:
+            x: inputs, (B, ...).
+
+        Returns:
+            ``(f_mu, f_var)``, each (B, K) (the model's output shape), in the
+            parameters' dtype.
+
+        Raises:
+            NotFittedError: before :meth:`fit_curvature`.
+        """
+        self._check_ready()
+        theta = {n: t.detach() for n, t in self.theta.items()}
+        var = self.posterior_var.as_dict()
+
+        def one(x1, basis, class_chunks):
+            f1, vjp_fn = vjp(lambda th: self.forward_with(th, x1.unsqueeze(0)).reshape(-1), theta)
+            parts = []
+            for ks in class_chunks:
+                (rows,) = vmap(vjp_fn)(basis[ks])
+                parts.append(sum((r.square() * var[n]).flatten(1).sum(1) for n, r in rows.items()))
+            return f1, torch.cat(parts)
+
+        with self._evaluating(), torch.enable_grad():
+            chunks = list(self._per_example_chunks(x, one, theta))
+            shape = self.forward_with(theta, x[:1]).shape[1:]
+        f_mu = torch.cat([c[0] for c in chunks]).detach()
+        f_var = torch.cat([c[1] for c in chunks]).detach()
+        return f_mu.reshape(-1, *shape), f_var.reshape(-1, *shape)
+
+    def _sample_deltas(self, count: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+        """θ_s − θ* = sqrt(v) ε, drawn like :meth:`sample` draws (the same ε for the same generator)."""
+        out = {}
+        for n, std in self.posterior_std().items():
+            eps = torch.randn((count, *std.shape), generator=generator, device=std.device, dtype=std.dtype)
+            out[n] = std * eps
+        return out
+
+    def _glm_sample_logits(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
+        """f(x; θ*) + J(x) δ_s for ``num_samples`` draws δ_s = θ_s − θ*, with forward-mode AD.
+
+        ``scaled_dot_product_attention`` runs its math kernel here: the fused
+        (flash / memory-efficient) kernels have no forward-mode derivative.
+        """
+        theta = {n: t.detach() for n, t in self.theta.items()}
+        f = self.forward_with(theta, x)
+
+        def lin(delta):
+            return jvp(lambda th: self.forward_with(th, x), (theta,), (delta,))[1]
+
+        outs = []
+        with sdpa_kernel([SDPBackend.MATH]):
+            for start in range(0, num_samples, self.chunk_size):
+                deltas = self._sample_deltas(min(self.chunk_size, num_samples - start), generator)
+                count = next(iter(deltas.values())).shape[0]
+                tangents = None
+                if count > 1 and self._vmap_ok:
+                    try:
+                        tangents = vmap(lin, randomness="different")(deltas)
+                    except Exception as err:  # an op without a batching rule: fall back once, loudly
+                        _raise_if_no_forward_ad(err)
+                        self._vmap_ok = False
+                        warnings.warn(f"vmap over linearised samples failed ({type(err).__name__}: {err}); "
+                                      "evaluating samples one at a time", RuntimeWarning, stacklevel=3)
+                if tangents is None:
+                    try:
+                        tangents = torch.stack([lin({n: d[i] for n, d in deltas.items()}) for i in range(count)])
+                    except Exception as err:
+                        _raise_if_no_forward_ad(err)
+                        raise
+                outs.append(f + tangents)
+        return torch.cat(outs, 0)
+
+    def sample_logits(self, x, num_samples: int, generator: torch.Generator | None = None, *,
+                      pred_type: str | None = None) -> torch.Tensor:
+        """Model outputs under S posterior samples, linearised (``"glm"``) or not (``"nn"``).
+
+        ``"glm"``: f(x; θ*) + J(x)(θ_s − θ*), one ``torch.func.jvp`` per sample,
+        ``chunk_size`` samples per ``vmap`` (eval mode). ``"nn"``: f(x; θ_s), see
+        :meth:`BayesianModel.sample_logits`. The same generator state gives the
+        same θ_s for both.
+
+        Args:
+            x: model input with batch size B.
+            num_samples: S ≥ 1.
+            generator: optional ``torch.Generator``.
+            pred_type: ``"glm"`` or ``"nn"``; ``None`` uses :attr:`pred_type`.
+
+        Returns:
+            Tensor of shape (S, B, K) (or (S, B, D) for regression).
+
+        Raises:
+            NotFittedError: before :meth:`fit_curvature`.
+            ValueError: on a bad ``num_samples`` or ``pred_type``.
+        """
+        pred_type, _ = self._resolve(pred_type, None)
+        if pred_type == "nn":
+            return super().sample_logits(x, num_samples, generator=generator)
+        num_samples = _num_samples(num_samples, minimum=1)
+        self._check_ready()
+        with self._evaluating(), torch.no_grad():
+            return self._glm_sample_logits(x, num_samples, generator)
+
+    @torch.no_grad()
+    def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None, *,
+                pred_type: str | None = None, link_approx: str | None = None):
+        """Posterior predictive p(y | x, D), linearised (``"glm"``) or sampled (``"nn"``).
+
+        * ``num_samples=0``: the MAP, p(y | x, θ*) (for every pred_type and link).
+        * ``"glm"`` with ``"probit"`` (the default link), categorical: the
+          deterministic softmax(f_k / sqrt(1 + π/8 · var_k)) with var_k the
+          functional variance (MacKay 1992; laplace-torch's default); any S ≥ 1
+          gives the same result.
+        * ``"glm"`` with ``"probit"``, Gaussian: the exact linearised predictive,
+          mean f(x; θ*) and variance diag(J diag(v) Jᵀ) + noise_std².
+        * ``"glm"`` with ``"mc"``: the likelihood's average over S linearised
+          samples, i.e. ``sample_logits(x, S)`` for the same generator state
+          (softmax averaged; Gaussian: sample mean, sample variance + noise_std²).
+        * ``"nn"``: (1/S) Σ_s p(y | x, θ_s), see :meth:`BayesianModel.predict`
+          (link ``"mc"`` only).
+
+        The GLM predictive is evaluated in eval mode (the network that
+        :meth:`fit_curvature` linearised). With the probit link,
+        :func:`~bayeswrap.predictive.predict_loader` is not the average of
+        :func:`~bayeswrap.predictive.sample_probs_loader` (which samples); with
+        ``link_approx="mc"`` it is. Probit costs K vector-Jacobian products per
+        example, Monte Carlo S jvps per batch.
+
+        Args:
+            x: model input with batch size B.
+            num_samples: S ≥ 0.
+            generator: optional ``torch.Generator``.
+            pred_type: ``"glm"`` or ``"nn"``; ``None`` uses :attr:`pred_type`.
+            link_approx: ``"probit"`` or ``"mc"``; ``None`` uses :attr:`link_approx`
+                (``"mc"`` for ``"nn"``).
+
+        Returns:
+            Categorical: probabilities (B, K) (float32, or float64 for a float64
+            model). Gaussian: ``(mean, variance)``, each (B, D).
+
+        Raises:
+            NotFittedError: before :meth:`fit_curvature`.
+            ValueError: on a bad ``num_samples``, an unknown ``pred_type`` or
+                ``link_approx``, or ``"probit"`` with ``"nn"``.
+        """
+        pred_type, link_approx = self._resolve(pred_type, link_approx)
+        num_samples = _num_samples(num_samples, minimum=0)
+        self._check_ready()
+        if num_samples == 0:
+            return self._predictive(self.forward_with(self.posterior_mean(), x).unsqueeze(0))
+        if pred_type == "nn":
+            return self._predictive(BayesianModel.sample_logits(self, x, num_samples, generator=generator))
+        if link_approx == "probit":
+            f_mu, f_var = self.functional_moments(x)
+            if self.likelihood.name == "categorical":
+                kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8.0 * f_var)
+                return at_least_float32(kappa * f_mu).softmax(-1)
+            return f_mu, f_var + self.likelihood.noise_std**2
+        with self._evaluating():
+            return self._predictive(self._glm_sample_logits(x, num_samples, generator))
+
+    # ------------------------------------------------------------------ evidence and prior precision
+    def _marglik_terms(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(h over the parameters with a prior as one float64 vector, Σ (θ* − θ̄)² over them, log p(D | θ*))."""
+        self._check_ready()
+        names = [n for n in self.curvature_diag if self.prior.applies_to(n)]
+        if not names:
+            raise ValueError("no Bayesian parameter has a prior (bias='uninformative' leaves only flat priors), "
+                             "so the marginal likelihood does not depend on the prior precision")
+        h = torch.cat([self.curvature_diag[n].detach().double().flatten() for n in names])
+        sq = sum((self.theta[n].detach().double() - self.prior.mean[n].double()).square().sum() for n in names)
+        return h, sq, self.train_log_likelihood.double()
+
+    def log_marginal_likelihood(self, prior_precision=None) -> torch.Tensor:
+        """Laplace approximation of log p(D | δ) for the diagonal posterior (MacKay 1992; laplace-torch).
+
+        log p(D | δ) ≈ log p(D | θ*)
+                       − ½ [log det P_post − log det P_prior + (θ* − θ̄)ᵀ P_prior (θ* − θ̄)]
+                     = log p(D | θ*) − ½ Σ_i [log(1 + h_i / δ) + δ (θ*_i − θ̄_i)²],
+
+        with P_prior = δ I, P_post = δ I + diag(h), h = (N/n) Σ_n c_n as in
+        :meth:`fit_curvature` and log p(D | θ*) the (N/n)-scaled training
+        log-likelihood stored there. The sums run over the Bayesian parameters
+        with a prior: a parameter with a flat prior (``bias="uninformative"``)
+        has no normalisable prior, so its Occam factor (a term that does not
+        depend on δ) is left out; point estimates are not part of the posterior.
+        The constant −(P/2) log 2π of the prior and posterior cancels.
+
+        Args:
+            prior_precision: δ > 0 (float or 0-d tensor; a tensor with
+                ``requires_grad`` gives a differentiable result); ``None`` uses
+                :attr:`prior_precision`. The model is not changed.
+
+        Returns:
+            A 0-d float64 tensor (nats).
+
+        Raises:
+            NotFittedError: before :meth:`fit_curvature`.
+            ValueError: on a non-positive ``prior_precision``, or when no
+                Bayesian parameter has a prior.
+        """
+        h, sq, log_lik = self._marglik_terms()
+        if torch.isnan(log_lik):
+            raise NotFittedError("the training log-likelihood is unknown (a checkpoint saved before bayeswrap "
+                                 "stored it): call bnn.fit_curvature(train_loader) again")
+        if prior_precision is None:
+            delta = self._prior_precision.double()
+        elif torch.is_tensor(prior_precision):
+            if prior_precision.numel() != 1:
+                raise ValueError(f"prior_precision must be a scalar, got shape {tuple(prior_precision.shape)}")
+            _positive_precision(float(prior_precision.detach()))
+            delta = prior_precision.reshape(()).to(h)
+        else:
+            delta = torch.tensor(_positive_precision(prior_precision), dtype=torch.float64, device=h.device)
+        return log_lik - 0.5 * (torch.log1p(h / delta).sum() + delta * sq)
+
+    def optimize_prior_precision(self, method: str = "marglik", val_loader=None, grid=None,
+                                 pred_type: str | None = None, link_approx: str | None = None, *,
+                                 num_samples: int = 100, seed: int = 0) -> float:
+        """Chooses the posterior's prior precision δ after training and sets :attr:`prior_precision`.
+
+        * ``"marglik"``: argmax of :meth:`log_marginal_likelihood` over a scalar
+          δ in [1e-10, 1e10]. In t = log δ the objective is strictly concave, with
+          derivative ½ [Σ_i h_i / (δ + h_i) − δ Σ_i (θ*_i − θ̄_i)²]; its root is
+          found by safeguarded Newton steps (bisection fallback) to machine
+          precision. At the optimum δ = γ / |θ* − θ̄|², with γ = Σ_i h_i/(δ + h_i)
+          the effective number of parameters (MacKay 1992).
+        * ``"val"``: the value of ``grid`` with the lowest validation NLL of
+          :meth:`predict` (with ``pred_type``/``link_approx``, ``num_samples``
+          samples and a generator re-seeded with ``seed`` for every grid value,
+          so that all values see the same noise); the first one on ties.
+
+        Only the posterior changes (``posterior_var``, the predictive); θ* and
+        the training prior stay.
+
+        Args:
+            method: ``"marglik"`` or ``"val"``.
+            val_loader: ``(inputs, targets)`` batches, required by ``"val"``.
+            grid: positive prior precisions for ``"val"``; default
+                logspace(-4, 4, 21).
+            pred_type: predictive for ``"val"`` (default :attr:`pred_type`).
+            link_approx: link for ``"val"``, see :meth:`predict`.
+            num_samples: S for ``"val"`` with a sampled predictive.
+            seed: seed of the ``"val"`` generator.
+
+        Returns:
+            The chosen δ as a float.
+
+        Raises:
+            NotFittedError: before :meth:`fit_curvature`.
+            ValueError: on an unknown method, ``"val"`` without ``val_loader``,
+                ``val_loader``/``grid`` with ``"marglik"``, an empty, non-positive
+                or non-finite grid value, ``num_samples`` < 1, or an empty ``val_loader``.
+
+        Warns:
+            RuntimeWarning: if the marginal likelihood is maximal at a bound of
+                the search interval.
+        """
+        method = _check_choice("method", method, TUNING_METHODS)
+        self._check_ready()
+        if method == "marglik":
+            if val_loader is not None or grid is not None:
+                raise ValueError("val_loader and grid are used only by method='val'; method='marglik' maximises "
+                                 "the marginal likelihood over the training data")
+            best = self._maximise_marglik()
+        else:
+            if val_loader is None:
+                raise ValueError("method='val' needs val_loader, an iterable of (inputs, targets) batches")
+            num_samples = _num_samples(num_samples, minimum=1)
+            best = self._grid_search(val_loader, _check_grid(grid), pred_type, link_approx, num_samples, seed)
+        self.prior_precision = best
+        return best
+
+    def _maximise_marglik(self) -> float:
+        h, sq, _ = self._marglik_terms()
+        sq = float(sq)
+
+        def slope(t):  # d LML / d log δ, and its derivative (< 0: concave)
+            d = math.exp(t)
+            r = h / (d + h)
+            return 0.5 * (float(r.sum()) - d * sq), -0.5 * (float((r * (1 - r)).sum()) + d * sq)
+
+        lo, hi = math.log(MARGLIK_BOUNDS[0]), math.log(MARGLIK_BOUNDS[1])
+        if slope(lo)[0] <= 0 or slope(hi)[0] >= 0:
+            at = MARGLIK_BOUNDS[0] if slope(lo)[0] <= 0 else MARGLIK_BOUNDS[1]
+            warnings.warn(f"the marginal likelihood is maximal at the bound {at:g} of the search interval "
+                          f"{MARGLIK_BOUNDS} (|θ* − θ̄|² = {sq:.3g}, Σh = {float(h.sum()):.3g}); "
+                          "prior_precision set to that bound", RuntimeWarning, stacklevel=3)
+            return at
+        t = min(max(math.log(self.prior_precision), lo), hi)
+        for _ in range(200):
+            g, dg = slope(t)
+            if g > 0:
+                lo = t
+            else:
+                hi = t
+            step = -g / dg if dg < 0 else float("inf")
+            new = t + step
+            if not lo < new < hi:
+                new = 0.5 * (lo + hi)
+            if abs(new - t) < 1e-13 * max(1.0, abs(t)) or hi - lo < 1e-13:
+                t = new
+                break
+            t = new
+        return math.exp(t)
+
+    def _grid_search(self, val_loader, grid: list[float], pred_type, link_approx, num_samples: int,
+                     seed: int) -> float:
+        from ..predictive import model_device, score  # predictive imports the methods package
+
+        self._resolve(pred_type, link_approx)
+        device = model_device(self)
+        start = self.prior_precision
+        nlls = []
+        try:
+            for delta in grid:
+                self.prior_precision = delta
+                generator = torch.Generator(device=device).manual_seed(seed)
+                preds, targets = [], []
+                for x, y in val_loader:
+                    p = self.predict(x.to(device), num_samples, generator, pred_type=pred_type,
+                                     link_approx=link_approx)
+                    preds.append(tuple(t.cpu() for t in p) if isinstance(p, tuple) else p.cpu())
+                    targets.append(y.cpu())
+                if not preds:
+                    raise ValueError("val_loader yielded no batches")
+                pred = (torch.cat([p[0] for p in preds]), torch.cat([p[1] for p in preds])) \
+                    if isinstance(preds[0], tuple) else torch.cat(preds)
+                nll = score(self, pred, torch.cat(targets))["nll"]
+                nlls.append(nll if math.isfinite(nll) else math.inf)
+        except BaseException:
+            self.prior_precision = start
+            raise
+        self.val_search = {"grid": list(grid), "nll": nlls}
+        return grid[min(range(len(grid)), key=nlls.__getitem__)]
+
+
+def _raise_if_no_forward_ad(err: Exception) -> None:
+    """Turns PyTorch's "no forward AD formula" error into advice on what to use instead."""
+    if "forward AD" in str(err):
+        raise NotImplementedError(
+            "the linearised samples of pred_type='glm' with link_approx='mc' need forward-mode AD "
+            f"(torch.func.jvp), which an operation of this model lacks ({err}); use link_approx='probit' "
+            "(reverse mode) or pred_type='nn'") from err
+
+
+def _check_choice(name: str, value, accepted: tuple[str, ...]) -> str:
+    if value not in accepted:
+        raise ValueError(f"{name}={value!r} is not known; accepted: {accepted}")
+    return value
+
+
+def _positive_precision(value) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"prior_precision={value!r} is not a number; accepted: a positive float") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"prior_precision={value!r} must be > 0 and finite")
+    return v
+
+
+def _check_grid(grid) -> list[float]:
+    if grid is None:
+        return list(DEFAULT_GRID)
+    values = grid.detach().flatten().tolist() if torch.is_tensor(grid) else list(grid)
+    if not values:
+        raise ValueError("grid is empty; accepted: positive prior precisions, e.g. torch.logspace(-4, 4, 21)")
+    out = []
+    for v in values:
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"grid value {v!r} is not a number; accepted: positive finite floats") from None
+        if not (f > 0 and math.isfinite(f)):
+            raise ValueError(f"grid value {v!r} is not valid; accepted: positive finite floats")
+        out.append(f)
+    return out
