@@ -36,6 +36,9 @@ BAYESDLL_PER_METHOD = {
     "laplace": {"prior_std": 0.01, "num_data_inflate": 1000.0, "bias": "informative"},
 }
 
+#: the built-in per-method settings: methods with their own optimizer take their own step size (IVON's lr
+#: scales an averaged gradient, with no momentum sum; SGLD has no momentum), chosen on digits' validation NLL
+DEFAULT_PER_METHOD = {"ivon": {"lr": 0.5}, "sgld": {"lr": 0.2}}
 #: named ``per_method`` mappings a config can ask for
 PER_METHOD_PRESETS = {"bayesdll_mnist": BAYESDLL_PER_METHOD}
 
@@ -103,7 +106,7 @@ class RunConfig:
     resume: bool = _f(False, "continue an interrupted run from its last checkpoint")
     overwrite: bool = _f(False, "replace an existing run folder")
     progress: bool = _f(True, "show progress bars")
-    per_method: dict = _f({}, "per-method option overrides {method: {option: value}}, applied over the config "
+    per_method: dict = _f(DEFAULT_PER_METHOD, "per-method option overrides {method: {option: value}}, applied over the config "
                           "file, under command-line flags (YAML mapping), or bayesdll_mnist for BayesDLL's "
                           "per-method MNIST settings")
 
@@ -267,9 +270,10 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
 def resolve(config_path: str | None, overrides: dict[str, Any]) -> RunConfig:
     """Resolves a run's options: defaults < ``per_method[method]`` < YAML file < command line.
 
-    There are no built-in per-method settings: BayesDLL's per-method MNIST
-    settings apply only where a config asks for them (``per_method:
-    bayesdll_mnist``). A ``per_method`` mapping in the YAML file or on the command line
+    The built-in per-method settings (:data:`DEFAULT_PER_METHOD`: the step
+    sizes of IVON and SGLD) fill in only what the YAML file does not set.
+    BayesDLL's per-method MNIST settings apply only where a config asks for
+    them (``per_method: bayesdll_mnist``). A ``per_method`` mapping in the YAML file or on the command line
     applies over the file's plain values, so one file can hold a comparison's
     shared and per-method settings.
 
