@@ -296,7 +296,8 @@ def tuning_score(cfg: RunConfig, num_samples: int) -> float:
     The model is trained for ``cfg.epochs`` epochs, the best-validation epoch is
     kept (as ``best.pt`` is in a run), the method is finalised (Laplace fits its
     curvature) and the posterior predictive with ``num_samples`` samples is
-    scored on the validation set. A run whose loss diverges scores ``inf``.
+    scored on the validation set. A run whose loss diverges, or that ends
+    without a posterior (SGLD keeping no sample), scores ``inf``.
     """
     splits, _, bnn, head, device = build(cfg)
     if not len(splits.val):
@@ -311,6 +312,8 @@ def tuning_score(cfg: RunConfig, num_samples: int) -> float:
     except FloatingPointError:
         return float("inf")
     bnn.after_fit(_eval_loader(splits.train, cfg))
+    if not bnn.is_ready():  # e.g. SGLD kept no sample: the candidate has no posterior and cannot win
+        return float("inf")
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     return evaluate_loader(bnn, val_loader, num_samples, generator=gen)["nll"]
 
