@@ -320,17 +320,12 @@ def tuning_score(cfg: RunConfig, num_samples: int) -> float:
 
 def _tune_prior_precision(bnn, splits, cfg: RunConfig, tuning: dict, num_samples: int, device) -> dict:
     """Laplace's post-hoc prior precision: the grid value with the lowest validation NLL, set on ``bnn``."""
-    val_loader = _eval_loader(splits.val, cfg)
-
-    def val_nll(value: float) -> float:
-        bnn.prior_precision = value
-        gen = torch.Generator(device=device).manual_seed(cfg.seed)
-        return evaluate_loader(bnn, val_loader, num_samples, generator=gen)["nll"]
-
-    record = {"option": "prior_precision", **tune(tuning["grid"], val_nll)}
-    bnn.prior_precision = record["chosen"]
-    log.info("laplace: prior precision %g chosen by validation NLL over %s", record["chosen"], record["grid"])
-    return record
+    chosen = bnn.optimize_prior_precision("val", val_loader=_eval_loader(splits.val, cfg), grid=tuning["grid"],
+                                          num_samples=num_samples, seed=cfg.seed)
+    grid = bnn.val_search["grid"]
+    log.info("laplace: prior precision %g chosen by validation NLL over %s", chosen, grid)
+    return {"option": "prior_precision", "grid": grid, "val_nll": bnn.val_search["nll"], "chosen": chosen,
+            "chosen_index": grid.index(chosen)}
 
 
 def _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_counts, tuning=None):

@@ -768,33 +768,32 @@ class Laplace(MAP):
 
     def _grid_search(self, val_loader, grid: list[float], pred_type, link_approx, num_samples: int,
                      seed: int) -> float:
-        from ..predictive import model_device, score  # predictive imports the methods package
+        from ..predictive import evaluate, model_device  # predictive imports the methods package
+        from ..tuning import select_by_val_nll
 
-        self._resolve(pred_type, link_approx)
+        pred_type, link_approx = self._resolve(pred_type, link_approx)
         device = model_device(self)
-        start = self.prior_precision
+        start, defaults = self.prior_precision, (self.pred_type, self.link_approx)
+        self.pred_type, self.link_approx = pred_type, link_approx  # what evaluate's predict calls use
         nlls = []
         try:
             for delta in grid:
                 self.prior_precision = delta
                 generator = torch.Generator(device=device).manual_seed(seed)
-                preds, targets = [], []
-                for x, y in val_loader:
-                    p = self.predict(x.to(device), num_samples, generator, pred_type=pred_type,
-                                     link_approx=link_approx)
-                    preds.append(tuple(t.cpu() for t in p) if isinstance(p, tuple) else p.cpu())
-                    targets.append(y.cpu())
-                if not preds:
-                    raise ValueError("val_loader yielded no batches")
-                pred = (torch.cat([p[0] for p in preds]), torch.cat([p[1] for p in preds])) \
-                    if isinstance(preds[0], tuple) else torch.cat(preds)
-                nll = score(self, pred, torch.cat(targets))["nll"]
+                try:
+                    nll = evaluate(self, val_loader, num_samples, generator=generator)["nll"]
+                except ValueError as err:
+                    if "yielded no batches" in str(err):
+                        raise ValueError("val_loader yielded no batches") from None
+                    raise
                 nlls.append(nll if math.isfinite(nll) else math.inf)
         except BaseException:
             self.prior_precision = start
             raise
+        finally:
+            self.pred_type, self.link_approx = defaults
         self.val_search = {"grid": list(grid), "nll": nlls}
-        return grid[min(range(len(grid)), key=nlls.__getitem__)]
+        return grid[select_by_val_nll(grid, nlls)]
 
 
 def _raise_if_no_forward_ad(err: Exception) -> None:
