@@ -26,10 +26,11 @@ from .methods import (
 from . import calibration, evaluation, samples, schedules, sparsity, tuning, uncertainty  # isort: skip  (after .methods: sparsity imports methods.base)
 from .schedules import KLSchedule  # isort: skip
 from .predictive import evaluate, predict_loader, sample_probs_loader
+from .runs import load_run
 from .training import fit
 
 __version__ = "0.1.0"
 
 __all__ = ["wrap", "fit", "evaluate", "predict_loader", "sample_probs_loader", "BayesianModel", "LossOutput", "NotFittedError", "METHODS",
            "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "IVON", "SparseVD", "KingmaVD", "optim", "schedules", "KLSchedule",
-           "sparsity", "calibration", "evaluation", "uncertainty", "samples", "tuning", "__version__"]
+           "sparsity", "calibration", "evaluation", "uncertainty", "samples", "tuning", "load_run", "__version__"]

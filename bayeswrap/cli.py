@@ -20,29 +20,27 @@ Every file is written atomically.
 from __future__ import annotations
 
 import argparse
-import copy
 import csv
+import dataclasses
 import io as _stdio
+import json
 import logging
-import shutil
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
+import yaml
 
-from . import plots
+from . import plots, runs
 from .evaluation import calibration, protocol
-from .evaluation.shift import hold_out_classes, shifted_dataset
-from .config import FIELDS, RunConfig, coerce, load_yaml, resolve
-from .data import DataError, load_data
-from .functional import select_parameters
-from .io import load_checkpoint, save_checkpoint, write_json, write_text, write_yaml
-from .methods import METHODS, method_options, wrap
-from .methods.sgld import BURN_IN_FRACTION
-from .models import create_model, data_config, head_parameter_names
-from . import optim as bw_optim
+from .evaluation.shift import shifted_dataset
+from .config import FIELDS, RESUME_ALLOWED, RunConfig, coerce, load_run_config, load_yaml, resolve, resolve_values
+from .data import DataError
+from .experiment import EpochLoader, build, data_info, device_of, eval_loader, make_optimizer, make_scheduler
+from .io import CheckpointError, load_checkpoint, save_checkpoint, write_json, write_text, write_yaml
+from .methods import METHODS
 from .predictive import evaluate as evaluate_loader
 from .predictive import sample_probs_loader
 from .training import fit
@@ -51,112 +49,9 @@ from .tuning import tune, tuning_option
 log = logging.getLogger("bayeswrap")
 
 
-class EpochLoader:
-    """A shuffling loader whose order depends only on (seed, epoch), so resumed runs repeat it exactly.
-
-    :func:`bayeswrap.fit` calls :meth:`set_epoch` before each epoch.
-    """
-
-    def __init__(self, dataset, batch_size: int, seed: int, num_workers: int = 0):
-        self.dataset, self.batch_size, self.seed, self.num_workers = dataset, batch_size, seed, num_workers
-        self.epoch = 0
-
-    def __len__(self) -> int:
-        return (len(self.dataset) + self.batch_size - 1) // self.batch_size
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return iter(DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, generator=g,
-                               num_workers=self.num_workers))
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"device={name!r} is not valid; accepted: auto, cpu, cuda, cuda:N") from None
-
-
-def build(cfg: RunConfig, *, for_evaluation: bool = False):
-    """Data, backbone and Bayesian model for a config (nothing is written).
-
-    With ``for_evaluation`` no pretrained weights are fetched: the checkpoint
-    about to be loaded holds every tensor.
-
-    With held-out classes (``cfg.ood_classes``) the splits hold only the kept
-    classes, relabelled 0..K'-1, and the model has K' outputs.
-
-    Returns:
-        ``(splits, ood_test, bnn, head_names, device)``; ``ood_test`` is the dataset
-        of held-out-class test examples, or None.
-    """
-    torch.manual_seed(cfg.seed)
-    is_mlp = cfg.model == "mlp"
-    pretrained = cfg.pretrained and not for_evaluation
-    init_checkpoint = None if for_evaluation else (cfg.init_checkpoint or None)
-    # the model decides the transforms when pretrained; build it once the class count is known
-    splits = load_data(cfg.dataset, root=cfg.data_root, download=cfg.download, val_fraction=cfg.val_fraction,
-                       seed=cfg.seed, img_size=cfg.img_size or (None if cfg.dataset != "digits" or is_mlp else 32),
-                       flatten=is_mlp)
-    extra = {}
-    if is_mlp:
-        extra["in_features"] = int(torch.Size(splits.input_shape).numel())
-    elif cfg.dataset in ("digits", "mnist5k") and not cfg.model.startswith("tv:"):
-        extra["in_chans"] = 1
-    held_out = cfg.held_out_classes(splits.name)
-    ood_test = None
-    if held_out:
-        splits, ood_test = hold_out_classes(splits, held_out)
-    model = create_model(cfg.model, splits.num_classes, pretrained=pretrained, init_checkpoint=init_checkpoint,
-                         **extra)
-    if cfg.pretrained and not is_mlp:
-        splits = load_data(cfg.dataset, root=cfg.data_root, download=cfg.download, val_fraction=cfg.val_fraction,
-                           seed=cfg.seed, data_config=data_config(model))
-        if held_out:
-            splits, ood_test = hold_out_classes(splits, held_out)
-    head = head_parameter_names(model)
-    patterns = [p.strip() for p in cfg.params.split(",") if p.strip()] or None
-    bayesian = select_parameters(model, patterns)
-    if cfg.prior_mean == "auto" and cfg.pretrained and not cfg.init_checkpoint:
-        # BayesDLL: the pretrained body is the prior mean, the new head's prior mean is zero
-        params = dict(model.named_parameters())
-        prior_mean = {n: torch.zeros_like(params[n]) if n in head else params[n].detach() for n in bayesian}
-    elif cfg.prior_mean == "auto":
-        prior_mean = "init" if cfg.init_checkpoint else "zero"
-    else:
-        prior_mean = cfg.prior_mean
-    num_data = max(1, round(len(splits.train) * cfg.num_data_inflate))
-    options = {k: getattr(cfg, k) for k in method_options(cfg.method) if k in FIELDS}
-    if cfg.method == "laplace":
-        # the reports score every method by the same S-sample protocol, so the GLM predictive is sampled too
-        options["link_approx"] = "mc"
-    if cfg.method == "sgld":
-        options["cycles"] = cfg.cycles or None
-        options["burn_in"] = "auto"
-        if not cfg.cycles:
-            steps = (len(splits.train) + cfg.batch_size - 1) // cfg.batch_size
-            epochs = cfg.epochs * BURN_IN_FRACTION if cfg.burn_in() is None else cfg.burn_in()
-            options["burn_in"] = round(epochs * steps)
-            # keep samples even in short runs: burn-in at most half of training, and one thinning interval
-            # before the end
-            longest = max(0, min(cfg.epochs * steps // 2, cfg.epochs * steps - cfg.thinning))
-            if options["burn_in"] > longest:
-                options["burn_in"] = longest
-                log.warning("sgld: burn_in_epochs=%s leaves too few samples in %d epochs; burn-in shortened to %d "
-                            "steps", cfg.burn_in_epochs, cfg.epochs, options["burn_in"])
-    bnn = wrap(model, cfg.method, num_data=num_data, prior_std=cfg.prior_std, prior_mean=prior_mean,
-               bias=cfg.bias, params=patterns, kl_weight=cfg.kl_weight, **options)
-    device = _device(cfg.device)
-    return splits, ood_test, bnn.to(device), head, device
-
-
-def _eval_loader(dataset, cfg: RunConfig):
-    return DataLoader(dataset, batch_size=max(cfg.batch_size, 128), shuffle=False, num_workers=cfg.num_workers)
+#: kept for scripts and tests that reach these through the command-line module
+_eval_loader = eval_loader
+_device = device_of
 
 
 def final_reports(bnn, splits, ood_test, cfg: RunConfig, num_samples: int, device) -> tuple[dict, dict]:
@@ -239,22 +134,66 @@ def _setup_logging(run_dir: Path) -> logging.Handler:
     return handler
 
 
-def prepare_run_dir(cfg: RunConfig) -> Path:
-    """The run folder; refuses to clobber an existing one without ``--resume``/``--overwrite``."""
-    run_dir = Path(cfg.out_dir) / cfg.name
-    if cfg.resume:
-        if not (run_dir / "last.pt").is_file():
-            raise ValueError(f"--resume: no checkpoint {run_dir / 'last.pt'} to resume from")
-    elif run_dir.exists():
-        if not cfg.overwrite:
-            raise ValueError(f"run folder {run_dir} exists; pass --resume to continue it or --overwrite to replace it")
-        shutil.rmtree(run_dir)
-    return run_dir
+class RunInterrupted(Exception):
+    """Ctrl-C during a run: carries the command that resumes it."""
+
+    def __init__(self, run_dir: Path, command: str):
+        super().__init__(f"interrupted; the last finished epoch is kept in {run_dir}. Resume with: {command}")
+        self.run_dir, self.command = run_dir, command
 
 
-def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict | None = None,
+#: what ``last.pt`` must hold
+LAST_CHECKPOINT_KEYS = {"model": dict, "optimizer": dict, "epoch": int, "rng": torch.Tensor, "history": list,
+                        "best_val_nll": float, "best_epoch": int}
+
+
+def resume_config(run_dir: str | Path, overrides: dict) -> tuple[RunConfig, dict]:
+    """The saved config of ``run_dir`` with the allowed ``overrides`` applied.
+
+    Args:
+        run_dir: a run folder written by ``fit`` (it holds ``config.yaml``).
+        overrides: command-line options; those equal to the saved values are
+            ignored, those in :data:`bayeswrap.config.RESUME_ALLOWED` are applied.
+
+    Returns:
+        ``(cfg, changes)`` with ``changes = {option: [saved, new]}``. ``out_dir``
+        and ``run_name`` point at ``run_dir`` wherever it now lies.
+
+    Raises:
+        ValueError: naming the option, if an override would change the data,
+            split, model or method, or a value is bad; or if ``run_dir`` has no
+            config.yaml.
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ValueError(f"--resume {run_dir}: no config.yaml there; accepted: a run folder written by bayeswrap fit")
+    saved = load_run_config(run_dir / "config.yaml")
+    changes, values = {}, saved.to_dict()
+    for key, value in overrides.items():
+        if key in ("out_dir", "run_name", "overwrite"):
+            raise ValueError(f"--resume {run_dir}: {key} cannot be given with --resume (the run folder is "
+                             f"{run_dir})")
+        new = coerce(key, value)
+        if new == values[key]:
+            continue
+        if key not in RESUME_ALLOWED:
+            raise ValueError(f"--resume {run_dir}: {key}={new!r} differs from the run's {key}={values[key]!r}; a "
+                             f"resumed run keeps its data, split, model and method. Accepted changes: "
+                             f"{', '.join(RESUME_ALLOWED)}")
+        changes[key] = [values[key], new]
+        values[key] = new
+    values.update(out_dir=str(run_dir.parent), run_name=run_dir.name, overwrite=False)
+    return RunConfig(**values).validate(), changes
+
+
+def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict | None = None, *,
+            resume: bool = False, changes: dict | None = None, resume_command: str | None = None,
             ) -> tuple[Path, dict]:
     """Trains one configuration end to end and writes its run folder.
+
+    Everything is checked (config, data, model, checkpoint) before a file is
+    written. The run holds the folder's lock (:class:`bayeswrap.runs.RunLock`)
+    until it ends.
 
     Args:
         cfg: a validated config.
@@ -263,31 +202,70 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
             record for ``"prior_precision"`` (Laplace) is carried out here, after
             the curvature is fitted: its ``grid`` is scored on validation and the
             best value set.
+        resume: continue ``out_dir/run_name`` from its ``last.pt``; a folder
+            without one restarts from scratch.
+        changes: the options a resume changed (``{option: [old, new]}``), recorded
+            in ``metrics.json["resumes"]`` and the log.
+        resume_command: the command printed on Ctrl-C.
 
     Returns:
         ``(run_dir, metrics)``.
+
+    Raises:
+        RunInterrupted: on Ctrl-C (the last finished epoch stays in ``last.pt``).
+        bayeswrap.runs.RunFolderError: if the folder exists (without resume or
+            overwrite), is not a run folder, or another run holds it.
+        bayeswrap.io.CheckpointError: naming the file, for a damaged ``last.pt``.
     """
     sample_counts = sample_counts or [cfg.num_samples]
     splits, ood_test, bnn, head, device = build(cfg)  # all input is checked before anything is written
-    run_dir = prepare_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handler = _setup_logging(run_dir)
+    optimizer = make_optimizer(cfg, bnn, head)
+    run_dir = Path(cfg.out_dir) / cfg.name
+    lock = runs.open_existing(run_dir) if resume else runs.open_new(cfg.out_dir, cfg.name, overwrite=cfg.overwrite)
+    command = resume_command or f"bayeswrap fit --resume {run_dir}"
+    handler = None
     try:
+        ckpt = None
+        if resume and (run_dir / "last.pt").is_file():
+            ckpt = _restore(run_dir / "last.pt", bnn, optimizer, cfg)
+        elif resume:  # killed before its first checkpoint: start again in the same folder
+            runs.clear(run_dir)
+            runs._write_marker(run_dir, "run")
+        handler = _setup_logging(run_dir)
+        if changes:
+            log.info("resumed with changes %s", changes)
         write_yaml(run_dir / "config.yaml", cfg.to_dict())
-        return run_dir, _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_counts, tuning)
+        write_json(run_dir / "data.json", data_info(splits, cfg).to_dict())
+        metrics = _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sample_counts, tuning,
+                                    ckpt, changes)
+        return run_dir, metrics
+    except KeyboardInterrupt:
+        raise RunInterrupted(run_dir, command) from None
     finally:
-        log.removeHandler(handler)
-        handler.close()
+        if handler is not None:
+            log.removeHandler(handler)
+            handler.close()
+        lock.release()
 
 
-def make_optimizer(cfg: RunConfig, bnn, head) -> torch.optim.Optimizer:
-    """The optimizer of a run: the method's own (SGLD, IVON) if it has one, else SGD with momentum."""
-    groups = bnn.param_groups(head, cfg.lr_head or None)
-    if bnn.required_optimizer is bw_optim.SGLD:
-        return bw_optim.SGLD(groups, lr=cfg.lr, num_data=bnn.num_data, noise_scale=cfg.noise_scale)
-    if bnn.required_optimizer is not None:
-        return bnn.required_optimizer(groups, lr=cfg.lr)
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+def _restore(path: Path, bnn, optimizer, cfg: RunConfig) -> dict:
+    """Loads ``last.pt`` into the model and optimizer; the config's lr (and momentum, weight decay) win."""
+    ckpt = load_checkpoint(path, required=LAST_CHECKPOINT_KEYS)
+    if ckpt["epoch"] > cfg.epochs:
+        raise ValueError(f"--resume: epochs={cfg.epochs} is below the {ckpt['epoch']} epochs the run in "
+                         f"{path.parent} has already trained; accepted: epochs >= {ckpt['epoch']}")
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    try:
+        bnn.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {path} does not match the run's model or optimizer: {err}") from None
+    for group, new in zip(optimizer.param_groups, fresh):
+        for key in ("lr", "momentum", "weight_decay"):
+            if key in new:
+                group[key] = new[key]
+        group["initial_lr"] = new["lr"]
+    return ckpt
 
 
 def tuning_score(cfg: RunConfig, num_samples: int) -> float:
@@ -328,24 +306,25 @@ def _tune_prior_precision(bnn, splits, cfg: RunConfig, tuning: dict, num_samples
             "chosen_index": grid.index(chosen)}
 
 
-def _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_counts, tuning=None):
-    optimizer = make_optimizer(cfg, bnn, head)
+def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sample_counts, tuning=None,
+                      ckpt=None, changes=None):
     train_loader = EpochLoader(splits.train, cfg.batch_size, cfg.seed, cfg.num_workers)
     val_loader = _eval_loader(splits.val, cfg) if len(splits.val) else None
     test_loader = _eval_loader(splits.test, cfg)
-    state = {"history": [], "best_val_nll": float("inf"), "best_epoch": 0}
+    state = {"history": [], "best_val_nll": float("inf"), "best_epoch": 0, "resumes": []}
     start_epoch = 0
-    if cfg.resume:
-        ckpt = load_checkpoint(run_dir / "last.pt")
-        bnn.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt is not None:
         torch.set_rng_state(ckpt["rng"])
-        state = {k: ckpt[k] for k in state}
+        state.update({k: ckpt[k] for k in state if k in ckpt})
         start_epoch = ckpt["epoch"]
         log.info("resumed from %s at epoch %d", run_dir / "last.pt", start_epoch)
+        if changes:
+            state["resumes"] = [*state["resumes"], {"epoch": start_epoch, "changes": changes}]
+    scheduler = make_scheduler(cfg, optimizer, start_epoch)
     log.info("config: %s", cfg.to_dict())
     log.info("data: %s, %d classes; Bayesian parameters: %d tensors, num_data=%d", splits.sizes(),
              splits.num_classes, len(bnn.bayesian_names), bnn.num_data)
+    board = _tensorboard(run_dir, start_epoch)
 
     def on_epoch_end(epoch, record):
         bnn.eval()
@@ -359,15 +338,26 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_
             save_checkpoint(run_dir / "best.pt", bnn.state_dict())
         save_checkpoint(run_dir / "last.pt", {"model": bnn.state_dict(), "optimizer": optimizer.state_dict(),
                                               "epoch": epoch + 1, "rng": torch.get_rng_state(), **state})
+        write_text(run_dir / "history.csv", _history_csv(state["history"]))
+        if board is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "epoch" and math.isfinite(value):
+                    board.add_scalar(key, value, epoch + 1)
+            board.flush()
         log.info("epoch %d: %s", epoch + 1, {k: round(v, 5) if isinstance(v, float) else v
                                               for k, v in record.items()})
 
     try:
-        fit(bnn, train_loader, epochs=cfg.epochs, optimizer=optimizer, val_loader=val_loader,
-            autocast_dtype=torch.bfloat16 if cfg.amp else None, start_epoch=start_epoch,
-            on_epoch_end=on_epoch_end, progress=cfg.progress, finalize=False)
+        if start_epoch < cfg.epochs:
+            fit(bnn, train_loader, epochs=cfg.epochs, optimizer=optimizer, val_loader=val_loader,
+                scheduler=scheduler, autocast_dtype=torch.bfloat16 if cfg.amp else None, start_epoch=start_epoch,
+                grad_clip_norm=cfg.grad_clip_norm or None, on_epoch_end=on_epoch_end,
+                progress=cfg.progress and sys.stderr.isatty(), finalize=False)
     except FloatingPointError as err:
         raise FloatingPointError(f"{err}; the last good checkpoint is kept in {run_dir / 'last.pt'}") from None
+    finally:
+        if board is not None:
+            board.close()
     # finalise on the best-validation state (Laplace fits its curvature there) and save it
     bnn.load_state_dict(load_checkpoint(run_dir / "best.pt"))
     bnn.after_fit(_eval_loader(splits.train, cfg))
@@ -383,9 +373,30 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, head, device, sample_
     metrics = {"history": state["history"], "best_epoch": state["best_epoch"], "final": reports}
     if tuning is not None:
         metrics["tuning"] = tuning
+    if state["resumes"]:
+        metrics["resumes"] = state["resumes"]
     write_json(run_dir / "metrics.json", metrics)
     log.info("final: %s", {s: {k: r["T1"][k] for k in ("error", "ece", "nll")} for s, r in reports.items()})
     return metrics
+
+
+def _history_csv(history: list[dict]) -> str:
+    """The per-epoch history as CSV (one row per epoch, the union of keys as columns, in first-seen order)."""
+    columns = list(dict.fromkeys(k for record in history for k in record))
+    buf = _stdio.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(history)
+    return buf.getvalue()
+
+
+def _tensorboard(run_dir: Path, start_epoch: int):
+    """A TensorBoard ``SummaryWriter`` into ``run_dir/tensorboard`` when the ``tensorboard`` package is installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch's writer needs the tensorboard package
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_epoch + 1 if start_epoch else None)
 
 
 def evaluate_run(run_dir: str | Path, num_samples: int | None = None) -> dict:
@@ -399,15 +410,19 @@ def evaluate_run(run_dir: str | Path, num_samples: int | None = None) -> dict:
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "best.pt").is_file():
         raise ValueError(f"{run_dir} is not a finished run folder (needs config.yaml and best.pt)")
-    cfg = RunConfig(**load_yaml(run_dir / "config.yaml")).validate()
+    cfg = load_run_config(run_dir / "config.yaml")
     splits, ood_test, bnn, _, device = build(cfg, for_evaluation=True)
+    state = load_checkpoint(run_dir / "best.pt")
     try:
-        bnn.load_state_dict(load_checkpoint(run_dir / "best.pt"))
-    except (RuntimeError, ValueError) as err:
-        raise ValueError(f"checkpoint {run_dir / 'best.pt'} does not match the run's config: {err}") from None
+        bnn.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {run_dir / 'best.pt'} does not match the run's config: {err}") from None
     s = cfg.num_samples if num_samples is None else num_samples
-    report, _ = final_reports(bnn, splits, ood_test, cfg, s, device)
-    write_json(run_dir / f"eval_S{s}.json", report)
+    if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        raise ValueError(f"num_samples={s!r} is not valid; accepted: an integer >= 0")
+    with runs.open_existing(run_dir):
+        report, _ = final_reports(bnn, splits, ood_test, cfg, s, device)
+        write_json(run_dir / f"eval_S{s}.json", report)
     return report
 
 
@@ -456,7 +471,8 @@ def _csv(rows: list[dict]) -> str:
 
 
 def run_compare(config_path: str | None, overrides: dict, methods: list[str],
-                sample_counts: list[int], tune_options: bool = True) -> tuple[Path, list[dict]]:
+                sample_counts: list[int], tune_options: bool = True, *, resume: str | None = None,
+                ) -> tuple[Path, list[dict]]:
     """Every method on the same data and split; writes comparison.md/.csv and the comparison figures.
 
     Figures (in the comparison folder, all at the last S of ``sample_counts``):
@@ -473,40 +489,122 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
     ``sample_counts``, each grid point trained on the same budget; the final run
     uses the chosen value, and each ``metrics.json`` records the grid, the
     validation NLLs and the choice under ``"tuning"``.
+
+    The comparison folder keeps its own invocation in ``compare.yaml``. With
+    ``resume`` (a comparison folder), that invocation is read back: finished
+    methods are kept, an interrupted one continues from its checkpoint, and
+    ``overrides`` may change only :data:`bayeswrap.config.RESUME_ALLOWED`
+    options; ``config_path``, ``methods``, ``sample_counts`` and
+    ``tune_options`` are then taken from ``compare.yaml``.
+
+    Raises:
+        ValueError: for a bad option (before anything is written), or an
+            override a resume may not change.
+        RunInterrupted: on Ctrl-C.
     """
+    changes: dict = {}
+    if resume is not None:
+        base = Path(resume)
+        saved_path = base / "compare.yaml"
+        if not saved_path.is_file():
+            raise ValueError(f"--resume {base}: no compare.yaml there; accepted: a folder written by bayeswrap "
+                             f"compare")
+        from .config import read_yaml_file
+
+        saved = read_yaml_file(saved_path)
+        try:
+            file_values = {k: coerce(k, v) for k, v in saved["config_file"].items()}
+            saved_overrides = {k: coerce(k, v) for k, v in saved["overrides"].items()}
+            methods, sample_counts, tune_options = list(saved["methods"]), list(saved["num_samples"]), \
+                bool(saved["tune"])
+        except (KeyError, TypeError, AttributeError, ValueError) as err:
+            raise ValueError(f"{saved_path} is not a valid comparison record ({err})") from None
+        before = resolve_values(file_values, {**saved_overrides, "method": methods[0]}).to_dict()
+        for key, value in overrides.items():
+            new = coerce(key, value)
+            if new == before.get(key):
+                continue
+            if key not in RESUME_ALLOWED:
+                raise ValueError(f"--resume {base}: {key}={new!r} differs from the comparison's {key}="
+                                 f"{before.get(key)!r}; a resumed comparison keeps its data, split, models and "
+                                 f"methods. Accepted changes: {', '.join(RESUME_ALLOWED)}")
+            changes[key] = [before.get(key), new]
+        overrides = {**saved_overrides, **{k: v[1] for k, v in changes.items()},
+                     "out_dir": str(base.parent), "run_name": base.name}
+    else:
+        file_values = load_yaml(config_path) if config_path else {}
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
-        raise ValueError(f"--methods {unknown or methods} not known; accepted: {', '.join(METHODS)}")
-    configs = {m: resolve(config_path, {**overrides, "method": m}) for m in methods}  # validate all first
+        raise ValueError(f"--methods {','.join(unknown or methods) or repr('')} not known; accepted: "
+                         f"{', '.join(METHODS)}")
+    configs = {m: resolve_values(file_values, {**overrides, "method": m}) for m in methods}  # validate all first
+    for m, c in configs.items():
+        _check_method_options(c)
     cfg = configs[methods[0]]
     base = Path(cfg.out_dir) / (cfg.run_name or f"compare-{cfg.dataset}-{cfg.model.replace(':', '_')}")
-    if base.exists() and not (cfg.overwrite or cfg.resume):
-        raise ValueError(f"comparison folder {base} exists; pass --resume or --overwrite")
-    if base.exists() and cfg.overwrite:
-        shutil.rmtree(base)
-    results = {}
-    for method in methods:
-        run_cfg = replace(configs[method], out_dir=str(base), run_name=method, overwrite=False,
-                          resume=cfg.resume and (base / method / "last.pt").is_file())
-        tuning = None
-        knob = tuning_option(method) if tune_options else None
-        if knob is not None and knob[0] == "prior_precision":
-            tuning = {"option": knob[0], "grid": list(knob[1])}  # post hoc, inside run_fit
-        elif knob is not None:
-            option, grid = knob
-            log.warning("compare: tuning %s's %s over %s by validation NLL", method, option, list(grid))
-            tuning = {"option": option, **tune(grid, lambda v: tuning_score(
-                replace(run_cfg, **{option: v}).validate(), sample_counts[-1]))}
-            run_cfg = replace(run_cfg, **{option: tuning["chosen"]})
-        _, results[method] = run_fit(run_cfg.validate(), sample_counts, tuning)
-    rows = comparison_rows(results)
-    write_text(base / "comparison.md", _markdown(rows))
-    write_text(base / "comparison.csv", _csv(rows))
-    last = {m: r["final"][str(sample_counts[-1])] for m, r in results.items()}
-    plots.reliability_grid({m: r["bins"] for m, r in last.items()}, base / "reliability.png",
-                           num_samples=sample_counts[-1], title="Reliability on the test set, T = 1")
-    _write_uncertainty_plots(base, last, temperature_scaled="map")
-    return base, rows
+    command = f"bayeswrap compare --resume {base}"
+    if resume is not None:
+        lock = runs.open_existing(base)
+    else:
+        lock = runs.open_new(cfg.out_dir, base.name, overwrite=cfg.overwrite, kind="compare")
+        write_yaml(base / "compare.yaml", {"config_file": file_values, "overrides": overrides, "methods": methods,
+                                           "num_samples": sample_counts, "tune": tune_options})
+    try:
+        results = {}
+        for method in methods:
+            results[method] = _compare_one(base, method, configs[method], sample_counts, tune_options,
+                                           resume is not None, changes, command)
+        rows = comparison_rows(results)
+        write_text(base / "comparison.md", _markdown(rows))
+        write_text(base / "comparison.csv", _csv(rows))
+        last = {m: r["final"][str(sample_counts[-1])] for m, r in results.items()}
+        plots.reliability_grid({m: r["bins"] for m, r in last.items()}, base / "reliability.png",
+                               num_samples=sample_counts[-1], title="Reliability on the test set, T = 1")
+        _write_uncertainty_plots(base, last, temperature_scaled="map")
+        return base, rows
+    except KeyboardInterrupt:
+        raise RunInterrupted(base, command) from None
+    finally:
+        lock.release()
+
+
+def _compare_one(base: Path, method: str, cfg: RunConfig, sample_counts, tune_options: bool, resume: bool,
+                 changes: dict, command: str) -> dict:
+    """One method of a comparison: reuse a finished run, continue an interrupted one, or run it."""
+    run_dir = base / method
+    run_cfg = replace(cfg, out_dir=str(base), run_name=method, overwrite=False)
+    if resume and (run_dir / "metrics.json").is_file():
+        log.warning("compare: %s is finished; keeping %s", method, run_dir / "metrics.json")
+        return json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
+    tuning_path = base / f"tuning_{method}.json"
+    tuning = None
+    knob = tuning_option(method) if tune_options else None
+    if knob is not None and knob[0] == "prior_precision":
+        tuning = {"option": knob[0], "grid": list(knob[1])}  # post hoc, inside run_fit
+    elif knob is not None and resume and tuning_path.is_file():
+        tuning = json.loads(tuning_path.read_text(encoding="utf-8"))
+        run_cfg = replace(run_cfg, **{tuning["option"]: tuning["chosen"]})
+    elif knob is not None:
+        option, grid = knob
+        log.warning("compare: tuning %s's %s over %s by validation NLL", method, option, list(grid))
+        tuning = {"option": option, **tune(grid, lambda v: tuning_score(
+            replace(run_cfg, **{option: v}).validate(), sample_counts[-1]))}
+        write_json(tuning_path, tuning)
+        run_cfg = replace(run_cfg, **{option: tuning["chosen"]})
+    resume_run = resume and runs.is_run_folder(run_dir)
+    return run_fit(run_cfg.validate(), sample_counts, tuning, resume=resume_run, changes=changes or None,
+                   resume_command=command)[1]
+
+
+def _check_method_options(cfg: RunConfig) -> None:
+    """Wraps a two-weight stand-in model with the config's method options, so bad values fail before any run."""
+    from .methods import method_options, wrap
+
+    options = {k: getattr(cfg, k) for k in method_options(cfg.method) if k in FIELDS}
+    if cfg.method == "sgld":
+        options["cycles"] = cfg.cycles or None
+    wrap(torch.nn.Linear(2, 2), cfg.method, num_data=10, prior_std=cfg.prior_std, bias=cfg.bias,
+         kl_weight=cfg.kl_weight, **options)
 
 
 def _int_list(text: str) -> list[int]:
@@ -525,21 +623,26 @@ def _add_config_options(parser: argparse.ArgumentParser, skip=()) -> None:
         if name in skip:
             continue
         flag = "--" + name.replace("_", "-")
-        help_text = f"{f.metadata['help']} (default: {f.default!r})"
-        if isinstance(f.default, bool):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        shown = yaml.safe_dump(default, default_flow_style=True).strip() if isinstance(default, dict) else \
+            repr(default)
+        help_text = f"{f.metadata['help']} (default: {shown})"
+        if isinstance(default, bool):
             parser.add_argument(flag, nargs="?", const="true", default=argparse.SUPPRESS, dest=name,
                                 metavar="BOOL", help=help_text)
         else:
-            parser.add_argument(flag, default=argparse.SUPPRESS, dest=name, metavar=type(f.default).__name__.upper(),
-                                help=help_text)
+            metavar = {dict: "YAML", int: "INT", float: "FLOAT", str: "STR"}[type(default)]
+            parser.add_argument(flag, default=argparse.SUPPRESS, dest=name, metavar=metavar, help=help_text)
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bayeswrap", description="Bayesian fine-tuning of any PyTorch model.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_fit = sub.add_parser("fit", help="train one method and write a run folder",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p_fit = sub.add_parser("fit", help="train one method and write a run folder")
     _add_config_options(p_fit)
+    p_fit.add_argument("--resume", metavar="RUN_DIR", default=None,
+                       help="continue the run in RUN_DIR from its last checkpoint, with its own config.yaml; "
+                            f"only these options may change: {', '.join(RESUME_ALLOWED)}")
     p_cmp = sub.add_parser("compare", help="run several methods on the same data and split; write a table")
     _add_config_options(p_cmp, skip=("method", "num_samples"))
     p_cmp.add_argument("--methods", default=",".join(COMPARE_METHODS),
@@ -550,20 +653,104 @@ def make_parser() -> argparse.ArgumentParser:
     p_cmp.add_argument("--no-tune", action="store_false", dest="tune",
                        help="skip the tuning of each method's key option by validation NLL "
                             "(bayeswrap.tuning.TUNING); use the configured values")
+    p_cmp.add_argument("--resume", metavar="COMPARE_DIR", default=None,
+                       help="continue an interrupted comparison in COMPARE_DIR with its own compare.yaml (finished "
+                            "methods are kept)")
     p_ev = sub.add_parser("evaluate", help="re-evaluate a saved run (calibration, shift, OOD) with another number "
                                            "of samples")
     p_ev.add_argument("run_dir", help="a run folder written by fit/compare")
-    p_ev.add_argument("--num-samples", type=int, default=None, help="S (default: the run's num_samples)")
+    p_ev.add_argument("--num-samples", default=None, help="S (default: the run's num_samples)")
+    p_pr = sub.add_parser("predict", help="predict new inputs with a saved run: class, probabilities, entropy and "
+                                          "mutual information per input, as CSV")
+    p_pr.add_argument("run_dir", help="a finished run folder written by fit/compare")
+    p_pr.add_argument("inputs", help="an image file, a folder of images (searched recursively) or a .npy array of "
+                                     "model inputs (N, *input_shape)")
+    p_pr.add_argument("--num-samples", default=None, help="posterior samples S (default: the run's num_samples)")
+    p_pr.add_argument("--out", default="predictions.csv", help="CSV file to write (default: predictions.csv); "
+                                                               "written atomically, never inside RUN_DIR's files")
+    p_pr.add_argument("--batch-size", default="128", help="inputs per forward pass (default: 128)")
+    p_pr.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p_pr.add_argument("--device", default=None, help="device (default: the run's)")
+    p_pr.add_argument("--seed", default="0", help="seed of the posterior samples (default: 0)")
     return parser
 
 
+def predict_rows(probs: torch.Tensor, names: list[str], class_names: list[str]) -> list[dict]:
+    """One CSV row per input from (S, N, K) sample probabilities.
+
+    Columns: ``input``, ``predicted_class`` (index), ``predicted_label``,
+    ``confidence`` (the predictive probability of that class), ``prob_<class>``
+    for each class, ``entropy`` (of the posterior predictive, nats),
+    ``expected_entropy`` and ``mutual_information`` (nats; empty for S < 2).
+    """
+    from .evaluation.uncertainty import expected_entropy, mutual_information, predictive_entropy
+
+    mean = probs.mean(0)
+    entropy = predictive_entropy(probs).tolist()
+    epistemic = mutual_information(probs).tolist() if probs.shape[0] >= 2 else [None] * len(names)
+    aleatoric = expected_entropy(probs).tolist() if probs.shape[0] >= 2 else [None] * len(names)
+    conf, pred = mean.max(-1)
+    rows = []
+    for i, name in enumerate(names):
+        row = {"input": name, "predicted_class": int(pred[i]), "predicted_label": class_names[int(pred[i])],
+               "confidence": float(conf[i])}
+        row.update({f"prob_{c}": float(p) for c, p in zip(class_names, mean[i].tolist())})
+        row.update(entropy=entropy[i], expected_entropy=aleatoric[i], mutual_information=epistemic[i])
+        rows.append(row)
+    return rows
+
+
+def _predict_command(args) -> int:
+    from .data import load_inputs
+
+    s = None if args.num_samples is None else _count("num_samples", args.num_samples, 0)
+    batch_size = _count("batch_size", args.batch_size, 1)
+    seed = _count("seed", args.seed, 0)
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; accepted: a CSV file path")
+    if out.exists() and not args.overwrite:
+        raise ValueError(f"--out {out} exists; pass --overwrite to replace it")
+    run = runs.load_run(args.run_dir, device=args.device)
+    inputs, names = load_inputs(args.inputs, run.transform, run.input_shape)
+    probs = run.sample_probs(inputs, s, batch_size=batch_size, seed=seed)
+    rows = predict_rows(probs, names, run.class_names)
+    buf = _stdio.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text(out, buf.getvalue())
+    print(f"{len(rows)} predictions (S={probs.shape[0] if (s or run.config.num_samples) else 0}) written to {out}")
+    return 0
+
+
+def _count(name: str, text, minimum: int) -> int:
+    """A command-line count: an integer >= minimum, or a ValueError naming it."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value.is_integer() and value >= minimum):
+        raise ValueError(f"--{name.replace('_', '-')} {text!r} is not valid; accepted: an integer >= {minimum}")
+    return int(value)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``bayeswrap`` console script; returns the exit status."""
+    """Entry point of the ``bayeswrap`` console script; returns the exit status.
+
+    0 on success, 2 for bad input (options, config files, data, run folders,
+    checkpoints), 1 for a failure during the run (a diverging loss, a full
+    disk, unreachable pretrained weights) and 130 on Ctrl-C, with one line
+    naming the command that resumes the run.
+    """
     args = make_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for handler in logging.getLogger().handlers:  # the terminal gets warnings; train.log gets everything
+        handler.setLevel(logging.WARNING)
     try:
         if args.command == "evaluate":
-            report = evaluate_run(args.run_dir, args.num_samples)
+            s = None if args.num_samples is None else _count("num_samples", args.num_samples, 0)
+            report = evaluate_run(args.run_dir, s)
             print(f"S={report['num_samples']}: " + ", ".join(f"{k}={report['T1'][k]:.4f}"
                                                                for k in ("error", "ece", "mce", "nll")))
             if report["shift"]["summary"]:
@@ -575,23 +762,44 @@ def main(argv: list[str] | None = None) -> int:
                           f", mutual information={report['ood']['mutual_information']['auroc']:.4f}"
                           if report["ood"]["mutual_information"] else ""))
             return 0
+        if args.command == "predict":
+            return _predict_command(args)
         overrides = {k: v for k, v in vars(args).items()
                      if k in FIELDS and k not in ("command", "config", "tune")}
         if args.command == "fit":
-            cfg = resolve(args.config, overrides)
-            run_dir, metrics = run_fit(cfg)
+            if args.resume is not None:
+                if args.config:
+                    raise ValueError(f"-c {args.config} cannot be given with --resume: the run's own "
+                                     f"{Path(args.resume) / 'config.yaml'} is used")
+                cfg, changes = resume_config(args.resume, overrides)
+                run_dir, metrics = run_fit(cfg, resume=True, changes=changes)
+            else:
+                cfg = resolve(args.config, overrides)
+                run_dir, metrics = run_fit(cfg)
             rep = metrics["final"][str(cfg.num_samples)]
             print(f"{run_dir}: test error={rep['T1']['error']:.4f} ECE={rep['T1']['ece']:.4f} "
                   f"NLL={rep['T1']['nll']:.4f}")
             return 0
+        if args.resume is not None and args.config:
+            raise ValueError(f"-c {args.config} cannot be given with --resume: the comparison's own "
+                             f"{Path(args.resume) / 'compare.yaml'} is used")
         base, rows = run_compare(args.config, overrides, [m.strip() for m in args.methods.split(",") if m.strip()],
-                                 _int_list(args.num_samples_list), tune_options=args.tune)
+                                 _int_list(args.num_samples_list), tune_options=args.tune, resume=args.resume)
         print(_markdown(rows))
         print(f"written: {base / 'comparison.md'}, {base / 'comparison.csv'} and figures in {base}")
         return 0
-    except (ValueError, FileNotFoundError, DataError, RuntimeError, FloatingPointError) as err:
+    except RunInterrupted as err:
+        print(f"bayeswrap: {err}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("bayeswrap: interrupted before a run folder was written; nothing to resume", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, DataError, PermissionError) as err:
         print(f"bayeswrap: error: {err}", file=sys.stderr)
-        return 2 if isinstance(err, (ValueError, FileNotFoundError, DataError)) else 1
+        return 2
+    except (RuntimeError, FloatingPointError, OSError) as err:
+        print(f"bayeswrap: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

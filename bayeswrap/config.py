@@ -16,7 +16,9 @@ from typing import Any
 
 import yaml
 
+from .data import DATASETS
 from .methods import METHODS
+from .checks import SCALE_RANGE
 
 
 def _f(default, help: str, **kw):
@@ -35,6 +37,9 @@ BAYESDLL_PER_METHOD = {
              "thinning": 10, "bias": "informative"},
     "laplace": {"prior_std": 0.01, "num_data_inflate": 1000.0, "bias": "informative"},
 }
+
+#: the prior and initial stds a run accepts: σ, 1/σ² and log σ stay finite in float32 (as the API checks)
+PRIOR_STD_RANGE = SCALE_RANGE
 
 #: the built-in per-method settings: methods with their own optimizer take their own step size (IVON's lr
 #: scales an averaged gradient, with no momentum sum; SGLD has no momentum), chosen on digits' validation NLL
@@ -86,9 +91,17 @@ class RunConfig:
     epochs: int = _f(40, "training epochs")
     lr: float = _f(0.05, "learning rate of the body")
     lr_head: float = _f(0.0, "learning rate of the classifier head; 0 = same as lr")
-    momentum: float = _f(0.9, "SGD momentum (not used by sgld)")
+    momentum: float = _f(0.9, "SGD momentum (sgd only; not used by sgld or ivon, which have their own update)")
+    optimizer: str = _f("sgd", "optimizer of methods without their own update (sgld and ivon have theirs): sgd "
+                        "(with momentum) or adamw")
+    weight_decay: float = _f(0.0, "weight decay of the point-estimate (non-Bayesian) parameters; Bayesian "
+                             "parameters get their prior in the loss instead (AdamW: decoupled)")
+    scheduler: str = _f("constant", "learning-rate schedule over epochs: constant or cosine (to 0), both after "
+                        "the linear warm-up")
+    warmup_epochs: int = _f(0, "epochs of linear learning-rate warm-up (from lr/(warmup_epochs+1) to lr)")
+    grad_clip_norm: float = _f(0.0, "clip the gradient norm to this value; 0 = no clipping")
     batch_size: int = _f(32, "batch size")
-    seed: int = _f(0, "random seed (data split, initialisation, sampling)")
+    seed: int = _f(0, "random seed (data split, initialisation, sampling), an integer in [0, 2^32 - 1]")
     device: str = _f("auto", "auto (cuda if available), cpu, cuda, cuda:N")
     amp: bool = _f(False, "bf16 autocast for forward passes")
     num_workers: int = _f(0, "DataLoader worker processes")
@@ -102,47 +115,50 @@ class RunConfig:
                           "indices, auto (8,9 on digits and mnist5k, none otherwise) or empty")
     # output
     out_dir: str = _f("runs", "parent folder of run folders")
-    run_name: str = _f("", "run folder name; empty = <dataset>-<model>-<method>")
-    resume: bool = _f(False, "continue an interrupted run from its last checkpoint")
-    overwrite: bool = _f(False, "replace an existing run folder")
-    progress: bool = _f(True, "show progress bars")
+    run_name: str = _f("", "run folder name inside out_dir (one path component); empty = "
+                       "<dataset>-<model>-<method>")
+    overwrite: bool = _f(False, "replace an existing run folder (only a bayeswrap run folder inside out_dir that "
+                         "no live run is using)")
+    progress: bool = _f(True, "show progress bars (only when stderr is a terminal)")
     per_method: dict = _f(DEFAULT_PER_METHOD, "per-method option overrides {method: {option: value}}, applied over the config "
                           "file, under command-line flags (YAML mapping), or bayesdll_mnist for BayesDLL's "
                           "per-method MNIST settings")
 
     def validate(self) -> RunConfig:
-        """Checks choices and ranges.
+        """Checks every option's type, choice and range; touches no file.
 
         Raises:
             ValueError: naming the bad value and the accepted ones.
         """
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r} is not known; accepted: {', '.join(METHODS)}")
-        if self.prior_mean not in ("auto", "init", "zero"):
-            raise ValueError(f"prior_mean={self.prior_mean!r} is not known; accepted: auto, init, zero")
-        checks = [("epochs", self.epochs >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
-                  ("lr", self.lr > 0, "> 0"), ("lr_head", self.lr_head >= 0, ">= 0"),
-                  ("momentum", 0 <= self.momentum < 1, "in [0, 1)"),
-                  ("val_fraction", 0 <= self.val_fraction < 1, "in [0, 1)"),
-                  ("prior_std", self.prior_std > 0, "> 0"), ("kl_weight", self.kl_weight >= 0, ">= 0"),
-                  ("num_data_inflate", self.num_data_inflate > 0, "> 0"),
-                  ("num_samples", self.num_samples >= 0, ">= 0"), ("n_bins", self.n_bins >= 1, ">= 1"),
-                  ("thinning", self.thinning >= 1, ">= 1"), ("max_samples", self.max_samples >= 0, ">= 0"),
-                  ("cycles", self.cycles >= 0, ">= 0"), ("exploration", 0 <= self.exploration < 1, "in [0, 1)"),
-                  ("img_size", self.img_size >= 0, ">= 0"), ("num_workers", self.num_workers >= 0, ">= 0")]
-        self.rotation_angles(), self.noise_stds(), self.held_out_classes()  # parse (raises on bad lists)
-        self.burn_in()
-        for name, accepted in (("predictive", ("ensemble", "gaussian")), ("pred_type", ("glm", "nn")),
-                               ("curvature", ("ggn", "fisher", "empirical_fisher")),
-                               ("sample_dtype", ("float32", "bfloat16", "float16", "float64"))):
+        for name, accepted in CHOICES.items():
             if getattr(self, name) not in accepted:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not known; accepted: {', '.join(accepted)}")
-        for name, ok, rule in checks:
+        for name, (ok, rule) in RANGES.items():
             value = getattr(self, name)
-            if isinstance(value, float) and not math.isfinite(value):
-                ok = False
-            if not ok:
+            kind = type(FIELDS[name].default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                    kind is int and not isinstance(value, int)):
+                raise ValueError(f"{name}={value!r} is not {'an integer' if kind is int else 'a number'}; "
+                                 f"accepted: {rule}")
+            if not (math.isfinite(value) and ok(value)):
                 raise ValueError(f"{name}={value!r} is out of range; accepted: {rule}")
+        if self.warmup_epochs >= self.epochs:
+            raise ValueError(f"warmup_epochs={self.warmup_epochs} is out of range; accepted: an integer in "
+                             f"[0, epochs={self.epochs})")
+        if self.method == "sgld" and self.cycles and (self.scheduler != "constant" or self.warmup_epochs):
+            raise ValueError(f"scheduler={self.scheduler!r}, warmup_epochs={self.warmup_epochs}: cyclical SGLD "
+                             f"(cycles={self.cycles}) sets its own step size; accepted: scheduler=constant, "
+                             f"warmup_epochs=0")
+        for name in ("overwrite", "progress", "download", "pretrained", "amp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is not a boolean; accepted: true, false")
+        check_run_name(self.run_name)
+        if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
+            raise ValueError(f"out_dir={self.out_dir!r} is a file; accepted: a folder (created if missing)")
+        self.rotation_angles(), self.noise_stds(), self.held_out_classes()  # parse (raises on bad lists)
+        self.burn_in()
         return self
 
     def burn_in(self) -> float | None:
@@ -202,21 +218,90 @@ def _number_list(name: str, text: str, ok, accepted: str) -> tuple[float, ...]:
 
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 
+#: options with a fixed set of values (``method``, ``bias`` and ``model`` are checked against the registry,
+#: the method and the model zoo)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dataset": DATASETS, "prior_mean": ("auto", "init", "zero"), "optimizer": ("sgd", "adamw"),
+    "scheduler": ("constant", "cosine"), "predictive": ("ensemble", "gaussian"), "pred_type": ("glm", "nn"),
+    "curvature": ("ggn", "fisher", "empirical_fisher"),
+    "sample_dtype": ("float32", "bfloat16", "float16", "float64"),
+}
+#: numeric options: (check of a finite value, the accepted range in words)
+RANGES: dict[str, tuple[Any, str]] = {
+    "epochs": (lambda v: v >= 1, "an integer >= 1"),
+    "batch_size": (lambda v: v >= 1, "an integer >= 1"),
+    "num_samples": (lambda v: v >= 0, "an integer >= 0"),
+    "num_train_samples": (lambda v: v >= 1, "an integer >= 1"),
+    "thinning": (lambda v: v >= 1, "an integer >= 1"),
+    "max_samples": (lambda v: v >= 0, "an integer >= 0"),
+    "cycles": (lambda v: v >= 0, "an integer >= 0"),
+    "img_size": (lambda v: v >= 0, "an integer >= 0"),
+    "num_workers": (lambda v: v >= 0, "an integer >= 0"),
+    "n_bins": (lambda v: v >= 1, "an integer >= 1"),
+    "warmup_epochs": (lambda v: v >= 0, "an integer >= 0, below epochs"),
+    "seed": (lambda v: 0 <= v <= 2**32 - 1, "an integer in [0, 2^32 - 1]"),
+    "lr": (lambda v: v > 0, "a finite number > 0"),
+    "lr_head": (lambda v: v >= 0, "a finite number >= 0 (0 = lr)"),
+    "momentum": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "weight_decay": (lambda v: v >= 0, "a finite number >= 0"),
+    "grad_clip_norm": (lambda v: v >= 0, "a finite number >= 0 (0 = no clipping)"),
+    "val_fraction": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "prior_std": (lambda v: PRIOR_STD_RANGE[0] <= v <= PRIOR_STD_RANGE[1],
+                  f"a number in [{PRIOR_STD_RANGE[0]:g}, {PRIOR_STD_RANGE[1]:g}]"),
+    "kl_weight": (lambda v: v >= 0, "a finite number >= 0"),
+    "num_data_inflate": (lambda v: v > 0, "a finite number > 0"),
+    "init_std": (lambda v: PRIOR_STD_RANGE[0] <= v <= PRIOR_STD_RANGE[1],
+                 f"a number in [{PRIOR_STD_RANGE[0]:g}, {PRIOR_STD_RANGE[1]:g}]"),
+    "p_drop": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "noise_scale": (lambda v: v >= 0, "a finite number >= 0"),
+    "exploration": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+}
+#: options a resumed run may change: they do not touch the data, the split, the model or the method
+RESUME_ALLOWED = ("epochs", "lr", "lr_head", "momentum", "weight_decay", "scheduler", "warmup_epochs",
+                  "grad_clip_norm", "num_samples", "n_bins", "shift_rotations", "shift_noise", "device",
+                  "num_workers", "progress", "amp")
+
+
+def check_run_name(name: str) -> str:
+    """``name`` if it is a single path component (a folder name inside ``out_dir``), else a ValueError."""
+    if name == "":
+        return name
+    bad = (not isinstance(name, str) or name in (".", "..") or "/" in name or "\\" in name or "\0" in name
+           or os.path.isabs(name) or len(name) > 255 or name != name.strip() or name.startswith("."))
+    if bad:
+        raise ValueError(f"run_name={name!r} is not valid; accepted: one folder name inside out_dir (no '/', "
+                         f"'\\', '..', leading '.' or surrounding spaces), or empty for <dataset>-<model>-<method>")
+    return name
+
 
 def coerce(name: str, value: Any) -> Any:
     """Converts a YAML or command-line value to the option's type.
 
+    Integers accept integral numbers (``3``, ``3.0``, ``"1e3"``), never booleans,
+    NaN, infinities or fractions; a missing value (YAML ``~`` or an empty
+    ``key:``) is refused rather than read as the default.
+
     Raises:
-        ValueError: for an unknown option or a value of the wrong type.
+        ValueError: for an unknown option or a value of the wrong type, naming
+            the option, the value and what is accepted.
     """
+    if name == "resume":
+        raise ValueError("resume is not a config option; resume a run with: bayeswrap fit --resume RUN_DIR")
     if name not in FIELDS:
         raise ValueError(f"unknown option {name!r}; accepted: {', '.join(FIELDS)}")
     kind = type(FIELDS[name].default) if FIELDS[name].default is not dataclasses.MISSING else dict
+    if value is None:
+        default = FIELDS[name].default if kind is not dict else DEFAULT_PER_METHOD
+        raise ValueError(f"{name}=None (an empty value) is not valid; give a {kind.__name__} or leave the option "
+                         f"out to use its default {default!r}")
     if kind is dict:
         if isinstance(value, str) and value.strip() in PER_METHOD_PRESETS:
             return copy.deepcopy(PER_METHOD_PRESETS[value.strip()])
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            try:
+                value = yaml.load(value, Loader=StrictLoader)
+            except yaml.YAMLError as err:
+                raise ValueError(f"{name}={value!r} is not a YAML mapping ({err})") from None
         if not isinstance(value, dict):
             raise ValueError(f"{name}={value!r} must be a mapping {{method: {{option: value}}}} or one of "
                              f"{', '.join(PER_METHOD_PRESETS)}")
@@ -227,6 +312,10 @@ def coerce(name: str, value: Any) -> Any:
             for k in opts:
                 if k in ("method", "per_method"):
                     raise ValueError(f"{name}.{method} cannot set {k!r}")
+                users = method_fields().get(k)
+                if users is not None and method not in users:
+                    raise ValueError(f"{name}.{method} sets {k}, which method {method!r} does not use; {k} is an "
+                                     f"option of {', '.join(users)}")
                 coerce(k, opts[k])
         return value
     if kind is bool:
@@ -238,19 +327,83 @@ def coerce(name: str, value: Any) -> Any:
         if text in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"{name}={value!r} is not a boolean; accepted: true, false")
-    if value is None:
-        return FIELDS[name].default
     if kind is str and isinstance(value, (list, tuple)):  # YAML lists for the list-valued options
         return ",".join(str(v) for v in value)
+    if kind is str and not isinstance(value, (str, int, float)) or isinstance(value, bool) and kind is not str:
+        what = {int: "an integer", float: "a number", str: "a string"}[kind]
+        raise ValueError(f"{name}={value!r} is not {what}; accepted: {RANGES.get(name, (0, what))[1]}")
+    if kind is str:
+        return str(value)
     try:
-        if kind is int:
-            as_float = float(value)
-            if not as_float.is_integer():
-                raise ValueError
-            return int(as_float)
-        return kind(value)
+        number = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name}={value!r} is not a valid {kind.__name__}") from None
+        number = None
+    if kind is int:
+        if number is None or not math.isfinite(number) or not number.is_integer():
+            raise ValueError(f"{name}={value!r} is not an integer; accepted: {RANGES[name][1]}")
+        as_int = int(number) if not isinstance(value, int) else value
+        if not RANGES[name][0](as_int):
+            raise ValueError(f"{name}={value!r} is out of range; accepted: {RANGES[name][1]}")
+        return as_int
+    if number is None:
+        raise ValueError(f"{name}={value!r} is not a number; accepted: {RANGES.get(name, (0, 'a float'))[1]}")
+    return number
+
+
+def method_fields() -> dict[str, tuple[str, ...]]:
+    """``{option: methods that use it}`` for the options only some methods use (the rest apply to all)."""
+    from .methods import method_options
+
+    users: dict[str, list[str]] = {}
+    aliases = {"burn_in": "burn_in_epochs"}  # the method's option -> the run option that sets it
+    for method in METHODS:
+        for option in method_options(method):
+            option = aliases.get(option, option)
+            if option in FIELDS:
+                users.setdefault(option, []).append(method)
+    users.setdefault("noise_scale", []).append("sgld")  # an option of SGLD's optimizer
+    return {k: tuple(v) for k, v in users.items()}
+
+
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping with a duplicate key (PyYAML keeps the last one silently)."""
+
+
+def _no_duplicates(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+
+
+def read_yaml_file(path: str | os.PathLike) -> Any:
+    """Parses a YAML file (UTF-8, no duplicate keys) with the safe loader.
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: naming the file, for a folder, non-UTF-8 bytes, a syntax
+            error (with its line and column) or a duplicate key.
+    """
+    if os.path.isdir(path):
+        raise ValueError(f"config file {str(path)!r} is a folder; accepted: a YAML file")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.load(fh, Loader=StrictLoader)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"config file {str(path)!r} is not UTF-8 text (byte {err.start}: "
+                         f"{err.object[err.start:err.start + 1]!r}); accepted: a UTF-8 YAML file") from None
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ValueError(f"config file {str(path)!r} is not valid YAML{at}: {problem}") from None
 
 
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -258,13 +411,23 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: if the file does not exist.
-        ValueError: if it is not a YAML mapping or has unknown options.
+        ValueError: if it is not a YAML mapping, has unknown options or bad
+            values (see :func:`read_yaml_file` and :func:`coerce`).
     """
-    with open(path) as fh:
-        data = yaml.safe_load(fh) or {}
+    data = read_yaml_file(path)
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping of option: value")
-    return {k.replace("-", "_"): coerce(k.replace("-", "_"), v) for k, v in data.items()}
+        raise ValueError(f"config file {str(path)!r} must hold a mapping of option: value, not a "
+                         f"{type(data).__name__}")
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        try:
+            out[name] = coerce(name, value)
+        except ValueError as err:
+            raise ValueError(f"config file {str(path)!r}: {err}") from None
+    return out
 
 
 def resolve(config_path: str | None, overrides: dict[str, Any]) -> RunConfig:
@@ -281,7 +444,11 @@ def resolve(config_path: str | None, overrides: dict[str, Any]) -> RunConfig:
         ValueError: for unknown options or bad values (naming them).
         FileNotFoundError: if ``config_path`` does not exist.
     """
-    values: dict[str, Any] = load_yaml(config_path) if config_path else {}
+    return resolve_values(load_yaml(config_path) if config_path else {}, overrides)
+
+
+def resolve_values(values: dict[str, Any], overrides: dict[str, Any]) -> RunConfig:
+    """:func:`resolve` with the config file's values already read (``load_yaml``)."""
     cli = {k: coerce(k, v) for k, v in overrides.items()}
     merged = {**values, **cli}
     method = merged.get("method", RunConfig.method)
@@ -292,3 +459,20 @@ def resolve(config_path: str | None, overrides: dict[str, Any]) -> RunConfig:
     else:
         values = {**per_method, **values}
     return RunConfig(**{**values, **cli}).validate()
+
+
+def load_run_config(path: str | os.PathLike) -> RunConfig:
+    """The config saved in a run folder's ``config.yaml`` (``resume`` keys of older runs are ignored).
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: naming the file, if it is not a valid run config.
+    """
+    data = read_yaml_file(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(path)!r} is not a run config (a mapping of option: value)")
+    data.pop("resume", None)
+    try:
+        return RunConfig(**{k: coerce(k, v) for k, v in data.items()}).validate()
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{str(path)!r} is not a valid run config: {err}") from None

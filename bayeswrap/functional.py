@@ -100,7 +100,7 @@ def select_parameters(model: nn.Module, params: ParamSelector) -> list[str]:
 
     Raises:
         ValueError: if a pattern matches no trainable parameter, if nothing is
-            selected, or if ``params`` has an unsupported type.
+            selected (an empty list selects nothing), or if ``params`` has an unsupported type.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
@@ -119,6 +119,10 @@ def select_parameters(model: nn.Module, params: ParamSelector) -> list[str]:
         raise ValueError(f"params={params!r} is not supported; accepted: None, a list of glob patterns "
                          "over parameter names, or a callable (name, tensor) -> bool")
     patterns = list(params)
+    if not patterns:
+        raise ValueError(f"params={params!r} is an empty list, which selects no parameter; accepted: None (every "
+                         "trainable parameter), a non-empty list of glob patterns over parameter names (e.g. "
+                         "['head.*']), or a callable (name, tensor) -> bool")
     for pat in patterns:
         if not isinstance(pat, str):
             raise ValueError(f"params pattern {pat!r} is not a string; accepted: glob patterns such as 'head.*'")
@@ -162,3 +166,32 @@ def call(model: nn.Module, params: Mapping[str, torch.Tensor], buffers: Mapping[
     """
     args = x if isinstance(x, tuple) else (x,)
     return functional_call(model, (dict(params), dict(buffers)), args, tie_weights=True, strict=False)
+
+
+def nonfinite_names(tensors: Iterable[tuple[str, torch.Tensor]], nan_only: Callable[[str], bool] | None = None
+                    ) -> list[str]:
+    """Names of the floating tensors that hold a NaN or an infinity, in the given order.
+
+    One ``isfinite(t).all()`` reduction per tensor and one device sync per device,
+    so it is cheap enough to run once per epoch over every parameter.
+
+    Args:
+        tensors: ``(name, tensor)`` pairs; non-floating, empty and ``meta`` tensors are skipped.
+        nan_only: optional predicate on the name: for those tensors only NaN counts
+            (e.g. model buffers, where ``-inf`` is a legitimate attention mask).
+
+    Returns:
+        The names of the offending tensors (empty if all are finite).
+    """
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    order = []
+    for name, t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and not t.is_meta:
+            by_device.setdefault(t.device, []).append((name, t))
+            order.append(name)
+    bad = set()
+    for items in by_device.values():
+        flags = torch.stack([(~torch.isnan(t) if nan_only is not None and nan_only(n) else torch.isfinite(t)).all()
+                             for n, t in items]).logical_not().tolist()
+        bad.update(n for (n, _), f in zip(items, flags) if f)
+    return [n for n in order if n in bad]

@@ -1,9 +1,11 @@
-"""Atomic file output: a reader never sees a half-written file."""
+"""Atomic file output (a reader never sees a half-written file) and safe checkpoint loading."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -34,11 +36,22 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     try:
         write(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if _disk_full(err):
+            raise OSError(errno.ENOSPC, f"writing {path} failed: no space left on the device "
+                                        f"({type(err).__name__}: {err}); {path} is unchanged") from err
         raise
     return path
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether a write failed for lack of space (torch's zip writer says only "unexpected pos")."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("unexpected pos" in text or "No space left" in text)
 
 
 def write_text(path, text: str) -> Path:
@@ -61,6 +74,49 @@ def save_checkpoint(path, obj: Any) -> Path:
     return atomic_write(path, lambda p: torch.save(obj, p))
 
 
-def load_checkpoint(path) -> Any:
-    """``torch.load(path, map_location="cpu", weights_only=True)``: never unrestricted pickle."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+class CheckpointError(ValueError):
+    """A checkpoint or weights file that is missing, unreadable or does not match; the message names the file."""
+
+
+def load_checkpoint(path, required: dict[str, type | tuple[type, ...]] | None = None) -> Any:
+    """``torch.load(path, map_location="cpu", weights_only=True)``: never unrestricted pickle.
+
+    Args:
+        path: the file.
+        required: optional ``{key: type}`` the loaded mapping must hold.
+
+    Raises:
+        CheckpointError: naming the file, if it is missing, empty, truncated,
+            not a torch checkpoint, pickles Python objects, or lacks a required
+            key or holds one of the wrong type.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes); it was not written completely")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded with weights_only=True (it holds Python objects "
+                              f"other than tensors and plain containers): {err}") from None
+    except Exception as err:  # truncated zip, random bytes, ...: EOFError, RuntimeError, ...
+        raise CheckpointError(f"checkpoint {path} cannot be read, it is damaged or not a torch checkpoint "
+                              f"({type(err).__name__}: {err})") from None
+    if required:
+        if not isinstance(obj, dict):
+            raise CheckpointError(f"checkpoint {path} holds a {type(obj).__name__}; expected a mapping with keys "
+                                  f"{', '.join(required)}")
+        missing = [k for k in required if k not in obj]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}; expected keys "
+                                  f"{', '.join(required)}")
+        wrong = [f"{k} ({type(obj[k]).__name__}, expected {_type_names(t)})" for k, t in required.items()
+                 if not isinstance(obj[k], t)]
+        if wrong:
+            raise CheckpointError(f"checkpoint {path} has entries of the wrong type: {', '.join(wrong)}")
+    return obj
+
+
+def _type_names(t) -> str:
+    return " or ".join(x.__name__ for x in (t if isinstance(t, tuple) else (t,)))

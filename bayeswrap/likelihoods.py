@@ -11,6 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .checks import check_scale
+
 LIKELIHOODS = ("categorical", "gaussian")
 
 
@@ -19,20 +21,57 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+def _check_tensor(outputs) -> None:
+    if not isinstance(outputs, torch.Tensor):
+        hint = (" (for a model that returns a ModelOutput/dict, wrap it in a module whose forward returns the logits)"
+                if isinstance(outputs, (dict, tuple, list)) or hasattr(outputs, "logits") else "")
+        raise TypeError(f"the model returned a {type(outputs).__name__}; accepted: a tensor of outputs{hint}")
+
+
 class Categorical:
     """Categorical likelihood on logits: −log p(y|x,θ) = cross-entropy(logits, y)."""
 
     name = "categorical"
 
+    def check_outputs(self, outputs: torch.Tensor) -> None:
+        """Raises unless the model's outputs are logits of shape (B, K) with K ≥ 2 (a shape check, no sync).
+
+        A (B, K, 1) output would give every class probability 1 after a softmax
+        over the last dimension, and a (B,) output would be normalised across the
+        batch, so both are refused rather than silently mis-read.
+
+        Args:
+            outputs: the outputs of one forward pass.
+
+        Raises:
+            TypeError: if the model did not return a tensor.
+            ValueError: naming the shape, if it is not (B, K) with K ≥ 2.
+        """
+        _check_tensor(outputs)
+        shape = tuple(outputs.shape)
+        if outputs.dim() != 2 or shape[1] < 2:
+            if outputs.dim() == 3 and shape[-1] == 1:
+                hint = "; squeeze the trailing dimension of size 1 in the model"
+            elif outputs.dim() <= 1:
+                hint = ("; for binary classification return 2 logits per example, for regression use "
+                        "likelihood='gaussian'")
+            elif outputs.dim() == 2:
+                hint = "; a single class has probability 1 whatever the input: return 2 logits for 2 classes"
+            else:
+                hint = "; flatten the extra dimensions in the model (e.g. per-pixel outputs are not supported)"
+            raise ValueError(f"the categorical likelihood needs logits of shape (B, K) with K >= 2 classes, but the "
+                             f"model returned shape {shape}{hint}")
+
     def check_targets(self, outputs: torch.Tensor, y: torch.Tensor) -> None:
-        """Raises ValueError if class labels are not integers in [0, K).
+        """Raises ValueError if the outputs are not (B, K) logits or class labels are not integers in [0, K).
 
         Args:
             outputs: logits, shape (B, K).
             y: labels, shape (B,), integer dtype.
         """
-        if outputs.dim() != 2:
-            raise ValueError(f"categorical likelihood expects logits of shape (B, K), got {tuple(outputs.shape)}")
+        self.check_outputs(outputs)
+        if not isinstance(y, torch.Tensor):
+            raise ValueError(f"class labels must be a tensor, got {type(y).__name__}")
         if y.dtype.is_floating_point or y.dtype == torch.bool:
             raise ValueError(f"class labels must be an integer tensor, got dtype {y.dtype}")
         if y.shape != outputs.shape[:1]:
@@ -58,22 +97,27 @@ class Gaussian:
     −log p(y|x,θ) = Σ_d [(y_d − f_d)² / (2 noise_std²) + log(noise_std) + log(2π)/2].
 
     Args:
-        noise_std: output noise standard deviation (> 0), in the units of y.
+        noise_std: output noise standard deviation, in the units of y; a number in
+            [1e-18, 1e18] (float32 must hold 1/noise_std²).
+
+    Raises:
+        ValueError: for any other ``noise_std``.
     """
 
     name = "gaussian"
 
     def __init__(self, noise_std: float = 1.0):
-        try:
-            value = float(noise_std)
-        except (TypeError, ValueError):
-            raise ValueError(f"noise_std={noise_std!r} is not a number; accepted: a positive float") from None
-        if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"noise_std={noise_std!r} must be > 0 and finite")
-        self.noise_std = value
+        self.noise_std = check_scale("noise_std", noise_std)
+
+    def check_outputs(self, outputs: torch.Tensor) -> None:
+        """Raises TypeError if the model did not return a tensor (any shape (B, ...) is accepted)."""
+        _check_tensor(outputs)
 
     def check_targets(self, outputs: torch.Tensor, y: torch.Tensor) -> None:
         """Raises ValueError unless ``y`` is floating with the shape of ``outputs`` (B, D)."""
+        self.check_outputs(outputs)
+        if not isinstance(y, torch.Tensor):
+            raise ValueError(f"regression targets must be a tensor, got {type(y).__name__}")
         if not y.dtype.is_floating_point:
             raise ValueError(f"gaussian likelihood expects floating-point targets, got dtype {y.dtype}")
         if y.shape != outputs.shape:

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .io import CheckpointError
+
 __all__ = [
     "DEFAULT_MLP_HIDDEN",
     "TV_HEAD_ATTRS",
@@ -66,9 +68,6 @@ DEFAULT_MLP_HIDDEN: tuple[int, ...] = (256, 256)
 #: DenseNet, MobileNet, EfficientNet, ConvNeXt, MNASNet, MaxViT.
 TV_HEAD_ATTRS: tuple[str, ...] = ("fc", "heads", "head", "classifier")
 
-
-class CheckpointError(ValueError):
-    """An ``init_checkpoint`` file is missing, unreadable or does not match the model."""
 
 
 class PretrainedWeightsError(RuntimeError):
@@ -266,12 +265,73 @@ def _create_timm(name: str, num_classes: int, pretrained: bool, dropout: float, 
         raise _unknown(name, ["mlp", *timm.list_models(), *(TV_PREFIX + n for n in _tv_models())], "timm")
     if dropout > 0:
         kwargs = {"drop_rate": dropout, **kwargs}
+    if not pretrained:
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, **kwargs)
+    offline = hub_offline()
     try:
-        return timm.create_model(name, pretrained=pretrained, num_classes=num_classes, **kwargs)
-    except (OSError, RuntimeError) as err:  # huggingface_hub / urllib errors are OSErrors
-        if not pretrained:
-            raise
-        raise _pretrained_failed(name, err) from err
+        with _hub_offline_mode(offline):  # offline: the local cache only, failing at once instead of retrying
+            return timm.create_model(name, pretrained=True, num_classes=num_classes, **kwargs)
+    except (OSError, RuntimeError, ValueError) as err:  # huggingface_hub / urllib errors are OSErrors
+        if offline:
+            err = OSError(f"the Hugging Face Hub is unreachable (HF_HUB_OFFLINE is set, or no connection to "
+                          f"{_hub_host()} within {HUB_PROBE_TIMEOUT:g} s) and the weights are not in the local "
+                          f"cache ({type(err).__name__}: {err})")
+        raise _pretrained_failed(name, err) from None
+
+
+#: seconds to wait for a TCP connection to the Hub before treating the machine as offline
+HUB_PROBE_TIMEOUT = 3.0
+
+
+def _hub_host() -> str:
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    return urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+
+
+def hub_offline() -> bool:
+    """Whether pretrained weights must come from the local cache.
+
+    True when ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set, or when no
+    TCP connection to the Hub opens within :data:`HUB_PROBE_TIMEOUT` seconds
+    (without a proxy configured). Without this, ``huggingface_hub`` retries for
+    about 50 s before an offline ``--pretrained`` fails.
+    """
+    import socket
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False  # the connection goes through a proxy: let huggingface_hub try
+    try:
+        socket.create_connection((_hub_host(), 443), timeout=HUB_PROBE_TIMEOUT).close()
+    except OSError:
+        return True
+    return False
+
+
+class _hub_offline_mode:
+    """Sets ``huggingface_hub``'s offline flag for the duration of a block (it reads the environment at import)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __enter__(self):
+        if self.enabled:
+            from huggingface_hub import constants
+
+            self.saved = constants.HF_HUB_OFFLINE
+            constants.HF_HUB_OFFLINE = True
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            from huggingface_hub import constants
+
+            constants.HF_HUB_OFFLINE = self.saved
 
 
 def _create_torchvision(arch: str, num_classes: int, pretrained: bool, dropout: float, kwargs: dict) -> nn.Module:

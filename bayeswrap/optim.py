@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .checks import check_float, check_int
+
 
 class SGLD(torch.optim.Optimizer):
     """Stochastic-gradient Langevin dynamics for a per-datum loss.
@@ -46,26 +48,25 @@ class SGLD(torch.optim.Optimizer):
 
     Args:
         params: parameters or parameter groups; a group may set its own
-            ``noise_scale`` (``BayesianModel.param_groups()`` gives point
-            estimates ``noise_scale=0``).
-        lr: learning rate (> 0).
-        num_data: N (≥ 1), the same N as the model's ``num_data``.
-        noise_scale: multiplier of the injected noise (≥ 0).
+            ``lr``, ``num_data`` or ``noise_scale`` (``BayesianModel.param_groups()``
+            gives point estimates ``noise_scale=0``).
+        lr: learning rate, a finite number > 0.
+        num_data: N, an integer ≥ 1, the same N as the model's ``num_data``.
+        noise_scale: multiplier of the injected noise, a finite number ≥ 0.
         generator: optional ``torch.Generator`` for the noise.
 
     Raises:
-        ValueError: on a non-positive ``lr`` or ``num_data`` or negative ``noise_scale``.
+        ValueError: if ``lr`` is not a finite number > 0, ``num_data`` not an
+            integer ≥ 1 or ``noise_scale`` not a finite number ≥ 0, here or in a
+            parameter group (the message names the value and the accepted range).
     """
 
     def __init__(self, params, lr: float, num_data: int, noise_scale: float = 1.0,
                  generator: torch.Generator | None = None):
-        if not lr > 0:
-            raise ValueError(f"lr={lr!r} must be > 0")
-        if not num_data >= 1:
-            raise ValueError(f"num_data={num_data!r} must be >= 1")
-        if not noise_scale >= 0:
-            raise ValueError(f"noise_scale={noise_scale!r} must be >= 0")
-        super().__init__(params, dict(lr=lr, num_data=num_data, noise_scale=noise_scale))
+        defaults = _check_sgld_hyper(lr=lr, num_data=num_data, noise_scale=noise_scale)
+        super().__init__(params, defaults)
+        for i, group in enumerate(self.param_groups):
+            group.update(_check_sgld_hyper(**{k: group[k] for k in defaults}, where=f" (param group {i})"))
         self.generator = generator
 
     @torch.no_grad()
@@ -172,7 +173,7 @@ class IVON(torch.optim.Optimizer):
     Args:
         params: ``bnn.param_groups()`` (or ``bnn.parameters()``) of an IVON model;
             a group may override ``lr``, ``beta1``, ``beta2``, ``clip_radius``.
-        lr: learning rate α (> 0); schedulers change the groups' ``lr`` as usual.
+        lr: learning rate α, a finite number > 0; schedulers change the groups' ``lr`` as usual.
         beta1: momentum of the gradient, in [0, 1).
         beta2: momentum of the Hessian estimate, in [0, 1]; 1 keeps h = h₀.
             The default 0.99999 (the paper's) averages ĥ over ~10⁵ steps;
@@ -184,18 +185,19 @@ class IVON(torch.optim.Optimizer):
             ``lr`` means the same as for SGD at the start of training.
 
     Raises:
-        ValueError: if ``lr`` ≤ 0, ``beta1`` ∉ [0, 1), ``beta2`` ∉ [0, 1] or
-            ``clip_radius`` ≤ 0 (the message names the value and the accepted range).
+        ValueError: if ``lr`` is not a finite number > 0, ``beta1`` ∉ [0, 1), ``beta2`` ∉ [0, 1]
+            or ``clip_radius`` is not > 0 (``inf`` allowed, NaN not), here or in a
+            parameter group (the message names the value and the accepted range).
         RuntimeError: in ``step()``, if an IVON mean has a gradient but its model
             drew no training sample since the last step.
     """
 
     def __init__(self, params, lr: float, beta1: float = 0.9, beta2: float = 0.99999,
                  clip_radius: float = float("inf"), rescale_lr: bool = True):
-        _check_hyper(lr=lr, beta1=beta1, beta2=beta2, clip_radius=clip_radius)
-        super().__init__(params, dict(lr=lr, beta1=beta1, beta2=beta2, clip_radius=clip_radius))
-        for group in self.param_groups:
-            _check_hyper(**{k: group[k] for k in ("lr", "beta1", "beta2", "clip_radius")})
+        defaults = _check_ivon_hyper(lr=lr, beta1=beta1, beta2=beta2, clip_radius=clip_radius)
+        super().__init__(params, defaults)
+        for i, group in enumerate(self.param_groups):
+            group.update(_check_ivon_hyper(**{k: group[k] for k in defaults}, where=f" (param group {i})"))
         self.rescale_lr = bool(rescale_lr)
         if not any(p in _IVON_LINKS for group in self.param_groups for p in group["params"]):
             warnings.warn("none of the parameters given to bayeswrap.optim.IVON is the mean of a bayeswrap IVON "
@@ -236,16 +238,19 @@ class IVON(torch.optim.Optimizer):
         return loss
 
 
-def _check_hyper(lr, beta1, beta2, clip_radius) -> None:
-    """ValueError naming the first IVON hyper-parameter out of its range."""
-    checks = (("lr", lr, lambda v: 0 < v < math.inf, "> 0 and finite"),
-              ("beta1", beta1, lambda v: 0 <= v < 1, "in [0, 1)"),
-              ("beta2", beta2, lambda v: 0 <= v <= 1, "in [0, 1]"),
-              ("clip_radius", clip_radius, lambda v: v > 0, "> 0 (inf for no clipping)"))
-    for name, value, ok, accepted in checks:
-        try:
-            good = not isinstance(value, bool) and ok(float(value))
-        except (TypeError, ValueError):
-            good = False
-        if not good:
-            raise ValueError(f"{name}={value!r} is not accepted by bayeswrap.optim.IVON; accepted: {accepted}")
+def _check_sgld_hyper(lr, num_data, noise_scale, where: str = "") -> dict:
+    """The SGLD hyper-parameters as numbers, or a ValueError naming the first one out of its range."""
+    note = f"bayeswrap.optim.SGLD{where}"
+    return {"lr": check_float("lr", lr, low=0.0, low_open=True, note=note),
+            "num_data": check_int("num_data", num_data, minimum=1, note=note),
+            "noise_scale": check_float("noise_scale", noise_scale, low=0.0, note=note)}
+
+
+def _check_ivon_hyper(lr, beta1, beta2, clip_radius, where: str = "") -> dict:
+    """The IVON hyper-parameters as numbers, or a ValueError naming the first one out of its range."""
+    note = f"bayeswrap.optim.IVON{where}"
+    return {"lr": check_float("lr", lr, low=0.0, low_open=True, note=note),
+            "beta1": check_float("beta1", beta1, low=0.0, high=1.0, high_open=True, note=note),
+            "beta2": check_float("beta2", beta2, low=0.0, high=1.0, note=note),
+            "clip_radius": check_float("clip_radius", clip_radius, low=0.0, low_open=True, allow_inf=True,
+                                       note=f"inf for no clipping; {note}")}

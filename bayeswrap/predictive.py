@@ -13,7 +13,8 @@ import torch
 
 from .evaluation import calibration
 from .likelihoods import at_least_float32
-from .methods.base import BayesianModel
+from .methods.base import BayesianModel, batch_pair, check_inputs_finite
+from .checks import check_int
 
 
 def model_device(bnn: BayesianModel) -> torch.device:
@@ -44,14 +45,23 @@ def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generato
         ``(predictive, targets)``: for a categorical likelihood ``probs`` (N, K)
         float32 and labels (N,) int64; for a Gaussian one ``(mean, var)``
         each (N, D) and targets (N, D). All on the CPU.
+
+    Raises:
+        ValueError: if ``num_samples`` is not an integer >= 0, the loader yields
+            no batches or something other than ``(inputs, targets)`` pairs, or as
+            :meth:`BayesianModel.predict` (non-finite inputs, mis-shaped outputs).
+        NotFittedError: if the posterior does not exist yet and ``allow_point_estimate`` is False.
     """
+    num_samples = check_int("num_samples", num_samples, minimum=0)
     device = model_device(bnn)
     preds, targets = [], []
-    for x, y in loader:
+    for index, batch in enumerate(loader):
+        x, y = batch_pair(batch, f"the loader's batch {index}")
         x = x.to(device)
         if bnn.is_ready() or not allow_point_estimate:
             p = bnn.predict(x, num_samples=num_samples, generator=generator)
         else:
+            check_inputs_finite(x)
             p = bnn._predictive(bnn.forward_with(bnn._point_estimate(), x).unsqueeze(0))
         preds.append(tuple(t.cpu() for t in p) if isinstance(p, tuple) else p.cpu())
         targets.append(y.cpu())
@@ -85,21 +95,27 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
         (N,) int64. Both on the CPU.
 
     Raises:
-        ValueError: for a Gaussian likelihood, or a loader that yields no batches.
+        ValueError: for a Gaussian likelihood, ``num_samples`` not an integer >= 0, a
+            loader that yields no batches or something other than ``(inputs, targets)``
+            pairs, non-finite inputs, or outputs that are not (B, K) logits.
         NotFittedError: if the posterior does not exist yet.
     """
     if bnn.likelihood.name != "categorical":
         raise ValueError(f"sample_probs_loader needs a categorical likelihood; this model's is "
                          f"{bnn.likelihood.name!r}")
+    num_samples = check_int("num_samples", num_samples, minimum=0)
     device = model_device(bnn)
     probs, targets = [], []
-    for x, y in loader:
+    for index, batch in enumerate(loader):
+        x, y = batch_pair(batch, f"the loader's batch {index}")
         x = x.to(device)
         if num_samples == 0:
             bnn._check_ready()
+            check_inputs_finite(x)
             outs = bnn.forward_with(bnn.posterior_mean(), x).unsqueeze(0)
         else:
             outs = bnn.sample_logits(x, num_samples, generator=generator)
+        bnn.likelihood.check_outputs(outs[0])
         probs.append(at_least_float32(outs).softmax(-1).cpu())
         targets.append(y.cpu())
     if not probs:
@@ -130,6 +146,11 @@ def score(bnn: BayesianModel, predictive, targets: torch.Tensor) -> dict[str, fl
 
 
 def evaluate(bnn: BayesianModel, loader, num_samples: int = 5, **kwargs) -> dict[str, float]:
-    """:func:`score` of :func:`predict_loader` in one call (keyword arguments go to the latter)."""
+    """:func:`score` of :func:`predict_loader` in one call (keyword arguments go to the latter).
+
+    Raises:
+        ValueError: as :func:`predict_loader`.
+        NotFittedError: as :func:`predict_loader`.
+    """
     pred, y = predict_loader(bnn, loader, num_samples, **kwargs)
     return score(bnn, pred, y)

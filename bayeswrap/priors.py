@@ -14,33 +14,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .functional import NamedTensors, is_bias
+from .functional import NamedTensors, is_bias, nonfinite_names
 from .fused import gaussian_penalty
 
 PRIOR_MEANS = ("init", "zero", "a mapping from parameter name to tensor")
 BIAS_OPTIONS = ("informative", "uninformative")
-
-
-def check_prior_std(prior_std: float | None, allow_none: bool) -> float | None:
-    """Validates ``prior_std`` (σ of eq. 1, in parameter units).
-
-    Raises:
-        ValueError: if ``prior_std`` is not a positive finite number (or ``None``
-            where ``allow_none``).
-    """
-    if prior_std is None:
-        if allow_none:
-            return None
-        raise ValueError("prior_std=None (no prior) is only accepted by method 'map'; "
-                         "accepted: a positive float")
-    try:
-        value = float(prior_std)
-    except (TypeError, ValueError):
-        raise ValueError(f"prior_std={prior_std!r} is not a number; accepted: a positive float"
-                         + (" or None" if allow_none else "")) from None
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"prior_std={prior_std!r} must be > 0 and finite")
-    return value
 
 
 class GaussianPrior(nn.Module):
@@ -55,8 +33,9 @@ class GaussianPrior(nn.Module):
         bias: ``"informative"`` or ``"uninformative"`` (see module docstring).
 
     Raises:
-        ValueError: on an unknown ``prior_mean`` or ``bias`` option, a bad
-            ``prior_std``, or a mapping with missing, unknown or mis-shaped entries.
+        ValueError: on an unknown ``prior_mean`` or ``bias`` option, or a mapping with
+            missing, unknown, mis-shaped or non-finite entries. (``prior_std`` is
+            validated by :class:`~bayeswrap.BayesianModel`.)
     """
 
     def __init__(self, init: Mapping[str, torch.Tensor], prior_std: float | None,
@@ -81,10 +60,19 @@ class GaussianPrior(nn.Module):
                                  f"missing {missing[:8]}, unknown {unknown[:8]}")
             means = {}
             for n, t in init.items():
-                m = torch.as_tensor(prior_mean[n], dtype=t.dtype, device=t.device)
+                try:
+                    m = torch.as_tensor(prior_mean[n], dtype=t.dtype, device=t.device)
+                except (TypeError, ValueError, RuntimeError):
+                    raise ValueError(f"prior_mean[{n!r}] is a {type(prior_mean[n]).__name__}; accepted: a tensor "
+                                     f"of shape {tuple(t.shape)}") from None
                 if m.shape != t.shape:
                     raise ValueError(f"prior_mean[{n!r}] has shape {tuple(m.shape)}, expected {tuple(t.shape)}")
                 means[n] = m
+            bad = nonfinite_names(means.items())
+            if bad:
+                count = int((~torch.isfinite(means[bad[0]])).sum())
+                raise ValueError(f"prior_mean[{bad[0]!r}] contains {count} non-finite values (NaN or inf)"
+                                 f"{f' (so do {bad[1:4]})' if len(bad) > 1 else ''}; accepted: finite tensors")
         else:
             raise ValueError(f"prior_mean={prior_mean!r} is not accepted; accepted: {PRIOR_MEANS}")
         self.mean = NamedTensors(means, trainable=False)

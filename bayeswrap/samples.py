@@ -39,6 +39,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from .checks import check_int
+
 __all__ = ["SampleStore", "spread_indices"]
 
 
@@ -66,10 +68,10 @@ def spread_indices(num_samples: int, count: int) -> torch.Tensor:
         int64 tensor of shape (S,), on the CPU, with values in [0, count).
 
     Raises:
-        ValueError: if ``num_samples < 1`` or ``count < 1``.
+        ValueError: if ``num_samples`` or ``count`` is not an integer >= 1.
     """
-    if num_samples < 1 or count < 1:
-        raise ValueError(f"spread_indices needs num_samples >= 1 and count >= 1, got {num_samples} and {count}")
+    num_samples = check_int("num_samples", num_samples, minimum=1)
+    count = check_int("count", count, minimum=1, note="stored draws")
     if num_samples > count:
         return torch.arange(num_samples) % count
     return (torch.arange(num_samples, dtype=torch.float64) * 2 + 1).mul_(count / (2 * num_samples)).floor_().long()
@@ -121,8 +123,7 @@ class SampleStore(nn.Module):
     def __init__(self, template: Mapping[str, torch.Tensor], max_samples: int = 100, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = "cpu"):
         super().__init__()
-        if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
-            raise ValueError(f"max_samples={max_samples!r} must be an integer >= 1")
+        max_samples = check_int("max_samples", max_samples, minimum=1)
         if not template:
             raise ValueError("a SampleStore needs at least one named tensor in its template")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

@@ -28,14 +28,14 @@ from __future__ import annotations
 import math
 import numbers
 
+from .checks import check_int
+
 __all__ = ["KLSchedule", "constant", "check_factor", "cycle_length", "cyclical_position",
            "cyclical_step_size", "exploration_steps"]
 
 
 def _count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or int(value) != value or value < 0:
-        raise ValueError(f"{name}={value!r} must be an integer >= 0 (epochs)")
-    return int(value)
+    return check_int(name, value, minimum=0, note="epochs")
 
 
 class KLSchedule:
@@ -94,9 +94,7 @@ def check_factor(value, where: str = "kl_schedule") -> float:
 
 # ---------------------------------------------------------------------- cyclical SG-MCMC (Zhang et al. 2020)
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or int(value) != value or value < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1")
-    return int(value)
+    return check_int(name, value, minimum=1)
 
 
 def cycle_length(num_steps: int, cycles: int) -> int:

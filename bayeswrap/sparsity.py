@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .methods.base import BayesianModel, NotFittedError, finite_float
+from .methods.base import BayesianModel, NotFittedError
+from .checks import check_float, check_int
 
 RULES = ("log_alpha", "snr")
 DEFAULT_THRESHOLDS = {"log_alpha": 3.0, "snr": 0.83}
@@ -154,7 +155,7 @@ def check_rule(rule: str | None, threshold: float | None, default_rule: str = "s
         raise ValueError(f"rule={rule!r} is not known; accepted: {RULES}")
     if threshold is None:
         return rule, DEFAULT_THRESHOLDS[rule]
-    t = finite_float("threshold", threshold)
+    t = check_float("threshold", threshold)
     if rule == "log_alpha" and t < 0:
         raise ValueError(f"threshold={threshold!r} has the wrong sign for rule 'log_alpha': it must be >= 0 "
                          "(log α > threshold prunes; a negative threshold would prune weights whose mean "
@@ -313,9 +314,7 @@ def prune_random(bnn: BayesianModel, count: int | None = None, *, rule: str | No
         if not per_tensor:
             target = {"*": sum(target.values())}
     else:
-        if isinstance(count, bool) or int(count) != count:
-            raise ValueError(f"count={count!r} must be an integer")
-        target = {"*": int(count)}
+        target = {"*": check_int("count", count, minimum=0, note="weights to prune")}
     masks = {n: a.clone() for n, a in already.items()}
     if "*" in target:
         free = torch.cat([(~a).flatten() for a in already.values()])

@@ -10,8 +10,10 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from .methods.base import BayesianModel
+from .functional import nonfinite_names
+from .methods.base import BayesianModel, batch_pair
 from .predictive import evaluate, model_device
+from .checks import check_float, check_int
 from .schedules import check_factor
 
 
@@ -29,24 +31,29 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
 
     Args:
         bnn: the Bayesian model; batches are moved to its device.
-        train_loader: any iterable of ``(inputs, targets)`` batches (a DataLoader, a list);
+        train_loader: any iterable of ``(inputs, targets)`` pairs (a DataLoader, a list);
             if it has ``set_epoch(epoch)``, that is called before each epoch.
-        epochs: total number of epochs (≥ 1).
-        optimizer: any ``torch.optim`` optimizer over ``bnn.parameters()``;
-            must be :class:`bayeswrap.optim.SGLD` for an SGLD model.
+        epochs: total number of epochs, an integer ≥ 1.
+        optimizer: a ``torch.optim`` optimizer over ``bnn.parameters()`` (or
+            ``bnn.param_groups()``); must be :class:`bayeswrap.optim.SGLD` for an
+            SGLD model and :class:`bayeswrap.optim.IVON` for an IVON model. It must
+            hold some of bnn's trainable parameters and nothing else (checked by
+            identity once, at the start).
         val_loader: optional validation batches; enables validation NLL/error in
             the history and early stopping.
-        scheduler: optional LR scheduler, stepped once per epoch.
-        early_stopping_patience: stop after this many epochs without a lower
-            validation NLL and restore the best state (BayesDLL §5 keeps the best
-            validation model). ``None`` trains all epochs but still restores the
-            best state if ``val_loader`` is given and this is set to 0 or more.
-        val_num_samples: S used for validation predictions (0 = posterior mean).
-        autocast_dtype: e.g. ``torch.bfloat16`` to run forward passes under autocast.
-        grad_clip_norm: optional max gradient norm.
-        start_epoch: first epoch index (for resuming).
-        on_epoch_end: callback ``(epoch, record)`` after each epoch (e.g. checkpointing).
-        progress: show a tqdm progress bar.
+        scheduler: optional LR scheduler (anything with ``step()``), stepped once per epoch.
+        early_stopping_patience: ``None`` or an integer ≥ 0: stop after more than this
+            many epochs without a lower validation NLL and restore the best state
+            (BayesDLL §5 keeps the best validation model; 0 stops at the first
+            epoch that does not improve). ``None`` trains all epochs.
+        val_num_samples: S used for validation predictions, an integer ≥ 0 (0 = posterior mean).
+        autocast_dtype: ``None`` (no autocast), ``torch.bfloat16`` or ``torch.float16``
+            (or the string aliases ``"bf16"``/``"bfloat16"``, ``"fp16"``/``"float16"``/``"half"``)
+            to run forward passes under autocast.
+        grad_clip_norm: ``None`` (no clipping) or the max gradient norm, a finite number > 0.
+        start_epoch: first epoch index (for resuming), an integer in [0, epochs).
+        on_epoch_end: ``None`` or a callback ``(epoch, record)`` after each epoch (e.g. checkpointing).
+        progress: show a tqdm progress bar (only when stderr is a terminal).
         finalize: call ``bnn.after_fit(train_loader)`` at the end (Laplace fits
             its curvature). Pass False to finalise later, e.g. on a reloaded
             best checkpoint.
@@ -58,23 +65,48 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
 
     Returns:
         History: a list with one dict per epoch: ``epoch``, ``train_loss``,
-        ``train_nll``, ``train_kl``, ``train_error`` (classification), ``lr``,
-        ``seconds``, ``kl_factor`` (the schedule's factor, 1.0 without one), and
+        ``train_nll``, ``train_kl``, ``train_error`` (classification), ``lr`` (the
+        first parameter group's learning rate during the epoch, before the
+        scheduler steps), ``seconds``, ``kl_factor`` (the schedule's factor, 1.0 without one), and
         ``val_nll``/``val_error`` (or ``val_rmse``) with a val loader.
 
     Raises:
-        ValueError: if a model is paired with an optimizer other than its
-            ``required_optimizer`` (SGLD needs :class:`bayeswrap.optim.SGLD`), or
-            ``epochs`` < 1.
-        FloatingPointError: if the loss becomes NaN or infinite (the message says
-            where; with early stopping the best state so far is kept).
+        ValueError: before any step, for an option out of range (each message
+            names the value and the accepted ones: ``epochs``, ``start_epoch``,
+            ``early_stopping_patience``, ``val_num_samples``, ``grad_clip_norm``,
+            ``autocast_dtype``, non-callable ``kl_schedule``/``on_epoch_end``); for
+            an optimizer of the wrong class (SGLD and IVON need their own), or one
+            that holds none of bnn's trainable parameters or tensors that are not
+            bnn's; during training, for a batch that is not an ``(inputs, targets)``
+            pair (the message says what it was), an empty loader, or targets that
+            do not fit the likelihood.
+        FloatingPointError: if the loss becomes NaN or infinite, with the cause:
+            a non-finite input (or target) batch, parameters that became non-finite
+            in the last update (or were before the first), or a non-finite loss
+            before any update (initialisation or prior under/overflow: a lower
+            learning rate would not help) or after divergence; and if a trainable
+            parameter is NaN or infinite at the end of an epoch (checked once per
+            epoch, so a NaN from the last step is caught), naming the parameter
+            and the epoch. With early stopping the best state so far is restored.
     """
-    required = bnn.required_optimizer
-    if required is not None and not isinstance(optimizer, required):
-        raise ValueError(f"a {bnn.method!r} model must be trained with bayeswrap.optim.{required.__name__}, "
-                         f"got {type(optimizer).__name__}; the method's update lives in that optimizer")
-    if int(epochs) != epochs or epochs < 1:
-        raise ValueError(f"epochs={epochs!r} must be an integer >= 1")
+    if not isinstance(bnn, BayesianModel):
+        raise ValueError(f"bnn must be a bayeswrap BayesianModel (from bw.wrap(model, method, ...)), got "
+                         f"{type(bnn).__name__}")
+    epochs = check_int("epochs", epochs, minimum=1)
+    start_epoch = check_int("start_epoch", start_epoch, minimum=0, maximum=epochs - 1,
+                            note=f"the first epoch to train, < epochs={epochs}")
+    early_stopping_patience = check_int("early_stopping_patience", early_stopping_patience, minimum=0,
+                                        allow_none=True, note="epochs without a lower validation NLL")
+    val_num_samples = check_int("val_num_samples", val_num_samples, minimum=0)
+    grad_clip_norm = check_float("grad_clip_norm", grad_clip_norm, low=0.0, low_open=True, allow_none=True,
+                                 note="the max gradient norm; None: no clipping")
+    autocast_dtype = _autocast_dtype(autocast_dtype)
+    for name, fn in (("kl_schedule", kl_schedule), ("on_epoch_end", on_epoch_end)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name}={fn!r} is not accepted; accepted: None or a callable")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise ValueError(f"scheduler={scheduler!r} has no step() method; accepted: None or a torch.optim.lr_scheduler")
+    _check_optimizer(bnn, optimizer)
     try:
         num_steps = (epochs - start_epoch) * len(train_loader)
     except TypeError:  # an iterable without a length
@@ -82,8 +114,9 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
     bnn.before_fit(num_steps, optimizer)
     device = model_device(bnn)
     classification = bnn.likelihood.name == "categorical"
+    trainable = [(n, p) for n, p in bnn.named_parameters() if p.requires_grad]
     history: list[dict] = []
-    best_nll, best_state, bad_epochs = math.inf, None, 0
+    best_nll, best_state, bad_epochs, updates = math.inf, None, 0, 0
     for epoch in range(start_epoch, epochs):
         bnn.train()
         tic = time.perf_counter()
@@ -91,8 +124,10 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         kl_factor = 1.0 if kl_schedule is None else check_factor(kl_schedule(epoch), "kl_schedule")
         if hasattr(train_loader, "set_epoch"):  # e.g. DistributedSampler-style reshuffling per epoch
             train_loader.set_epoch(epoch)
-        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}/{epochs}", disable=not progress, leave=False)
-        for step, (x, y) in enumerate(bar):
+        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}/{epochs}", disable=None if progress else True,
+                   leave=False)  # None: tqdm's own check, off when stderr is not a terminal
+        for step, batch in enumerate(bar):
+            x, y = batch_pair(batch, f"train_loader batch {step} of epoch {epoch + 1}")
             x, y = x.to(device), y.to(device)
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16,
@@ -100,15 +135,15 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                 out = _loss(bnn, x, y, kl_factor)
             loss_value = out.loss.item()
             if not math.isfinite(loss_value):
+                message = _diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, updates)
                 if best_state is not None:
                     bnn.load_state_dict(best_state)
-                raise FloatingPointError(
-                    f"non-finite loss {loss_value} (nll={out.nll.item()}, kl={out.kl.item()}) at epoch {epoch + 1}, "
-                    f"step {step + 1}; lower the learning rate or check the inputs")
+                raise FloatingPointError(message)
             out.loss.backward()
             if grad_clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(bnn.parameters(), grad_clip_norm)
             optimizer.step()
+            updates += 1
             bnn.after_step()
             b = x.shape[0]
             totals["loss"] += loss_value * b
@@ -120,11 +155,21 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             bar.set_postfix(loss=totals["loss"] / totals["n"])
         if totals["n"] == 0:
             raise ValueError("train_loader yielded no batches")
+        bad = nonfinite_names(trainable)  # one reduction per tensor, one sync: catches a NaN from the last step
+        if bad:
+            if best_state is not None:
+                bnn.load_state_dict(best_state)
+            raise FloatingPointError(
+                f"parameter {_label(bad[0])} contains NaN or inf after epoch {epoch + 1} (the last of its "
+                f"{updates} updates in this fit diverged although every loss was finite); lower the learning "
+                "rate, set grad_clip_norm, or check the optimizer's hyper-parameters"
+                + ("; the best validation state was restored" if best_state is not None else ""))
+        lr = optimizer.param_groups[0]["lr"]  # the learning rate this epoch trained with
         if scheduler is not None:
             scheduler.step()
         record = {"epoch": epoch + 1, "train_loss": totals["loss"] / totals["n"],
                   "train_nll": totals["nll"] / totals["n"], "train_kl": totals["kl"] / totals["n"],
-                  "lr": optimizer.param_groups[0]["lr"], "seconds": time.perf_counter() - tic, "kl_factor": kl_factor}
+                  "lr": lr, "seconds": time.perf_counter() - tic, "kl_factor": kl_factor}
         if classification:
             record["train_error"] = totals["errors"] / totals["n"]
         if val_loader is not None:
@@ -148,6 +193,99 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         bnn.after_fit(train_loader)
     bnn.eval()
     return history
+
+
+#: accepted ``autocast_dtype`` values besides None: the dtypes and their common string aliases
+AUTOCAST_DTYPES = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float16, "bf16": torch.bfloat16,
+                   "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+
+
+def _autocast_dtype(value) -> torch.dtype | None:
+    """``autocast_dtype`` as a torch dtype (None, bfloat16 or float16), or a ValueError listing the accepted ones."""
+    if value is None:
+        return None
+    key = value.lower() if isinstance(value, str) else value
+    if isinstance(key, (str, torch.dtype)) and key in AUTOCAST_DTYPES:
+        return AUTOCAST_DTYPES[key]
+    raise ValueError(f"autocast_dtype={value!r} is not accepted; accepted: None, torch.bfloat16, torch.float16, "
+                     "or the aliases 'bf16'/'bfloat16' and 'fp16'/'float16'/'half'")
+
+
+def _check_optimizer(bnn: BayesianModel, optimizer) -> None:
+    """Refuses an optimizer that cannot train ``bnn``: the wrong class, or parameters that are not bnn's.
+
+    Parameters are compared by identity, once per fit. IVON's optimizer finds its
+    model through its mean Parameters (``bayeswrap.optim.link_ivon_parameter``), so
+    an IVON optimizer that holds bnn's own Parameters also steps bnn's Hessian.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer over bnn.parameters() (or "
+                         f"bnn.param_groups()), got {type(optimizer).__name__}")
+    required = bnn.required_optimizer
+    if required is not None and not isinstance(optimizer, required):
+        raise ValueError(f"a {bnn.method!r} model must be trained with bayeswrap.optim.{required.__name__}, "
+                         f"got {type(optimizer).__name__}; the method's update lives in that optimizer")
+    ours = {id(p) for p in bnn.parameters() if p.requires_grad}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in held if id(p) not in ours]
+    if len(foreign) == len(held):
+        raise ValueError(f"the optimizer holds none of bnn's trainable parameters ({len(held)} other tensors, e.g. "
+                         "those of the wrapped nn.Module, which bayeswrap copies and never trains), so fit would "
+                         "train nothing; accepted: an optimizer built from bnn.parameters() or bnn.param_groups()")
+    if foreign:
+        shapes = [tuple(p.shape) for p in foreign[:4]]
+        raise ValueError(f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of bnn (shapes "
+                         f"{shapes}{', ...' if len(foreign) > 4 else ''}), e.g. from another model or from before a "
+                         "load_state_dict(assign=True); accepted: an optimizer built from bnn.parameters() or "
+                         "bnn.param_groups()")
+
+
+def _label(full_name: str) -> str:
+    """``"mean.0/weight"`` (a BayesianModel parameter) → ``"'0.weight' (mean)"``."""
+    container, _, mangled = full_name.partition(".")
+    return f"{mangled.replace('/', '.')!r} ({container})" if mangled else repr(container)
+
+
+def _diagnose_nonfinite_loss(bnn: BayesianModel, out, x, y, epoch: int, step: int, updates: int) -> str:
+    """Why the loss of a step is NaN or inf: its inputs, the parameters, the initial state, or divergence.
+
+    Runs only after a non-finite loss (a few reductions), never on the hot path.
+    """
+    head = (f"non-finite loss {out.loss.item()} (nll={out.nll.item()}, kl={out.kl.item()}) at epoch {epoch + 1}, "
+            f"step {step + 1}")
+    parts = x if isinstance(x, (tuple, list)) else (x,)
+    for t in parts:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return (f"{head}: the input batch contains {int((~torch.isfinite(t)).sum())} non-finite values "
+                    "(NaN or inf); check the data (the parameters are unchanged by this step)")
+    if isinstance(y, torch.Tensor) and y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        return (f"{head}: the target batch contains {int((~torch.isfinite(y)).sum())} non-finite values "
+                "(NaN or inf); check the data")
+    bad = nonfinite_names(bnn.named_parameters())
+    if bad:
+        if updates == 0:
+            return (f"{head}: parameter {_label(bad[0])} was already non-finite before the first update of this "
+                    "fit (loaded from a bad checkpoint with strict=False, or set by hand?)")
+        return (f"{head}: parameter {_label(bad[0])} became non-finite in the last update (optimizer step "
+                f"{updates} of this fit): the update diverged; lower the learning rate, set grad_clip_norm, or "
+                "check the optimizer's hyper-parameters")
+    buffers = nonfinite_names(bnn.model_buffers.items(), nan_only=lambda n: True)
+    if buffers:
+        return (f"{head}: the model's buffer {buffers[0]!r} contains NaN (e.g. BatchNorm statistics of an earlier "
+                "diverged step)")
+    if not math.isfinite(out.kl.item()):
+        term = "the KL/prior term is non-finite"
+    elif not math.isfinite(out.nll.item()):
+        term = "the NLL is non-finite: the model's outputs overflow"
+    else:
+        term = "kl_weight · KL / num_data overflows"
+    if updates == 0:
+        return (f"{head}: before any update, with finite inputs and parameters, so the initial state itself "
+                f"overflows or underflows ({term}): check the initialisation and the prior scale "
+                f"(prior_std={bnn.prior_std}, kl_weight={bnn.kl_weight}, method options such as init_std or "
+                "init_log_var) and the scale of the inputs; a lower learning rate would not help")
+    return (f"{head}: after {updates} updates, with finite inputs and parameters ({term}): training diverged; "
+            "lower the learning rate or set grad_clip_norm")
 
 
 def _loss(bnn: BayesianModel, x, y, kl_factor: float):

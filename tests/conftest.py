@@ -92,3 +92,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def damage_file(path, kind: str) -> bool:
+    """Damages a file the ways a crash or a bad copy does: ``empty``, ``truncated`` or ``random`` bytes.
+
+    Returns False (leaving the file alone) for any other ``kind``.
+    """
+    import numpy as np
+
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "truncated":
+        path.write_bytes(path.read_bytes()[:300])
+    elif kind == "random":
+        path.write_bytes(np.random.default_rng(0).bytes(4096))
+    else:
+        return False
+    return True

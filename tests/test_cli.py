@@ -127,7 +127,7 @@ def test_init_checkpoint_becomes_prior_mean(tmp_path):
         assert torch.equal(state["prior.mean." + name.replace(".", "/")], tensor), name
 
 
-def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypatch, capsys):
     common = ["fit", "--method", "sgld", "--epochs", "3", "--burn-in-epochs", "1", "--thinning", "2",
               "--num-samples", "3", *FAST]
     assert cli.main(common + ["--out-dir", str(tmp_path / "a")]) == 0
@@ -142,11 +142,13 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypat
             raise KeyboardInterrupt  # killed right after epoch 2 was checkpointed
 
     monkeypatch.setattr(cli, "save_checkpoint", interrupting_save)
-    with pytest.raises(KeyboardInterrupt):
-        cli.main(common + ["--out-dir", str(tmp_path / "b")])
+    assert cli.main(common + ["--out-dir", str(tmp_path / "b")]) == 130  # Ctrl-C: exit status 130
+    run_dir = tmp_path / "b" / "digits-mlp-sgld"
+    assert f"Resume with: bayeswrap fit --resume {run_dir}" in capsys.readouterr().err
     monkeypatch.setattr(cli, "save_checkpoint", real_save)
-    assert not (tmp_path / "b" / "digits-mlp-sgld" / "metrics.json").exists()
-    assert cli.main(common + ["--out-dir", str(tmp_path / "b"), "--resume"]) == 0
+    assert not (run_dir / "metrics.json").exists()
+    assert not (run_dir / ".lock").exists()  # released on the way out
+    assert cli.main(["fit", "--resume", str(run_dir)]) == 0  # the run's own config.yaml, nothing else
     resumed = json.loads((tmp_path / "b" / "digits-mlp-sgld" / "metrics.json").read_text())
     assert resumed["final"]["3"]["T1"] == reference["final"]["3"]["T1"]
     for a, b in zip(resumed["history"], reference["history"]):
@@ -159,8 +161,8 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypat
     (["--method", "hmc"], "method='hmc' is not known; accepted: map, vi, mc_dropout, sgld, laplace"),
     (["--dataset", "pets", "--data-root", "/nonexistent/pets"], "--download"),
     (["--init-checkpoint", "/nonexistent/w.pt"], "/nonexistent/w.pt"),
-    (["--lr", "abc"], "lr='abc' is not a valid float"),
-    (["--epochs", "0"], "epochs=0 is out of range; accepted: >= 1"),
+    (["--lr", "abc"], "lr='abc' is not a number; accepted: a finite number > 0"),
+    (["--epochs", "0"], "epochs='0' is out of range; accepted: an integer >= 1"),
     (["--val-fraction", "1.5"], "val_fraction=1.5 is out of range"),
     (["--bias", "gaussian"], "bias='gaussian' is not accepted by method 'vi'"),
 ])
@@ -175,7 +177,8 @@ def test_existing_run_folder_needs_resume_or_overwrite(tmp_path, capsys):
     args = ["fit", "--method", "map", "--epochs", "1", "--out-dir", str(tmp_path), *FAST]
     assert cli.main(args) == 0
     assert cli.main(args) == 2
-    assert "exists; pass --resume to continue it or --overwrite to replace it" in capsys.readouterr().err
+    run_dir = tmp_path / "digits-mlp-map"
+    assert f"exists; pass --resume {run_dir} to continue it or --overwrite to replace it" in capsys.readouterr().err
     assert cli.main(args + ["--overwrite"]) == 0
 
 

@@ -438,13 +438,13 @@ def test_wrap_rejects_laplace_options(kwargs, match):
      r"method='gridsearch' is not known; accepted: \('marglik', 'val'\)"),
     (lambda b: b.optimize_prior_precision("val"), r"method='val' needs val_loader"),
     (lambda b: b.optimize_prior_precision("val", val_loader=[], grid=[1.0, 0.0]),
-     r"grid value 0.0 is not valid; accepted: positive finite floats"),
+     r"grid\[1\]=0.0 must be a number in \[1e-36, 1e\+36\]"),
     (lambda b: b.optimize_prior_precision("val", val_loader=[], grid=[]), r"grid is empty"),
     (lambda b: b.optimize_prior_precision("val", val_loader=[], grid=[1.0]), r"val_loader yielded no batches"),
     (lambda b: b.optimize_prior_precision(val_loader=[(torch.randn(2, 3), torch.zeros(2, dtype=torch.long))]),
      r"val_loader and grid are used only by method='val'"),
-    (lambda b: setattr(b, "prior_precision", -1), r"prior_precision=-1 must be > 0 and finite"),
-    (lambda b: b.log_marginal_likelihood(0.0), r"prior_precision=0.0 must be > 0 and finite"),
+    (lambda b: setattr(b, "prior_precision", -1), r"prior_precision=-1 must be a number in \[1e-36, 1e\+36\]"),
+    (lambda b: b.log_marginal_likelihood(0.0), r"prior_precision=0.0 must be a number in \[1e-36, 1e\+36\]"),
     (lambda b: b.log_marginal_likelihood(torch.ones(2)), r"prior_precision must be a scalar"),
 ])
 def test_bad_calls_name_the_value(call, match):

@@ -256,7 +256,7 @@ def test_a_store_that_may_grow_large_warns(monkeypatch):
     ("sample_dtype", "int8", r"sample_dtype='int8' is not accepted; accepted: None, \('float32'"),
     ("predictive", "laplace", r"predictive='laplace' is not accepted; accepted: \('ensemble', 'gaussian'\)"),
     ("sample_device", "gpu0", r"sample_device='gpu0' is not accepted; accepted: None \(follow the model\)"),
-    ("cycles", 0, r"cycles=0 must be None \(plain SGLD\) or an integer >= 1"),
+    ("cycles", 0, r"cycles=0 must be None or an integer >= 1 \(None: plain SGLD\)"),
     ("exploration", 1.0, r"exploration=1.0 must be a number in \[0, 1\)"),
 ])
 def test_bad_options_name_the_value(option, value, match):

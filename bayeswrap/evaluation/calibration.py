@@ -3,7 +3,9 @@
 One module that every method and every CLI run reports its uncertainty through.
 All functions take ``probs`` of shape ``(N, K)`` (rows summing to 1) and integer
 ``labels`` of shape ``(N,)`` with values in ``[0, K)``, as torch tensors (any
-device) or numpy arrays, compute in float64 and return Python floats for
+device) or numpy arrays of any float dtype (float16 and bfloat16 are upcast;
+their rows must sum to 1 within 4 machine epsilons of their dtype, see
+:data:`HALF_ROW_SUM_ULPS`), compute in float64 and return Python floats for
 scalar metrics.
 
 Binning convention (shared by :func:`ece`, :func:`mce`, :func:`bin_stats` and the
@@ -68,7 +70,13 @@ ECE_KINDS = ("top_label", "all_class")
 """Accepted values of ``kind`` for :func:`ece`, :func:`mce` and :func:`bin_stats`."""
 
 ROW_SUM_TOL = 1e-4
-"""Rows of ``probs`` must sum to 1 within this tolerance."""
+"""Rows of ``probs`` must sum to 1 within this tolerance (wider for half precision, see :data:`HALF_ROW_SUM_ULPS`)."""
+
+HALF_ROW_SUM_ULPS = 4
+"""float16/bfloat16 probabilities must sum to 1 within this many machine epsilons of their dtype
+(float16: 3.9e-3, bfloat16: 3.1e-2): rounding each of the K probabilities moves the sum by up to eps/2,
+and a softmax computed in half precision adds a few more ulps. They are upcast to float64 and used as
+they are, so the metrics agree with those of the float32 probabilities to about that precision."""
 
 NLL_EPS = 1e-12
 """Probabilities are clamped to at least this before the log in :func:`nll` (max per-example NLL ≈ 27.6)."""
@@ -87,6 +95,16 @@ def _is_narrow_float(x: Any) -> bool:
         return x.dtype.is_floating_point and x.dtype != torch.float64
     dtype = getattr(x, "dtype", None)
     return dtype is not None and np.issubdtype(dtype, np.floating) and np.dtype(dtype).itemsize <= 4
+
+
+def _row_sum_tol(x: Any) -> float:
+    """Tolerance of the row sums of ``x``: :data:`ROW_SUM_TOL`, or a few ulps of a half-precision dtype."""
+    if isinstance(x, torch.Tensor):
+        eps = torch.finfo(x.dtype).eps if x.dtype in (torch.float16, torch.bfloat16) else 0.0
+    else:
+        dtype = getattr(x, "dtype", None)
+        eps = float(np.finfo(np.float16).eps) if dtype is not None and np.dtype(dtype) == np.float16 else 0.0
+    return max(ROW_SUM_TOL, HALF_ROW_SUM_ULPS * eps)
 
 
 def _to_float64(x: ArrayLike, name: str) -> np.ndarray:
@@ -120,15 +138,16 @@ def _check_matrix(x: ArrayLike, name: str) -> np.ndarray:
 
 def _check_probs(probs: ArrayLike, name: str = "probs") -> np.ndarray:
     p = _check_matrix(probs, name)
-    bad = (p < 0) | (p > 1 + ROW_SUM_TOL) | ~np.isfinite(p)
+    tol = _row_sum_tol(probs)
+    bad = (p < 0) | (p > 1 + tol) | ~np.isfinite(p)
     if bad.any():
         row, col = np.argwhere(bad)[0]
-        raise ValueError(f"{name}[{row}, {col}] = {p[row, col]!r} is not a probability; accepted: values in [0, 1]")
+        raise ValueError(f"{name}[{row}, {col}] = {float(p[row, col])!r} is not a probability; accepted: values in [0, 1]")
     sums = p.sum(axis=1)
-    off = np.abs(sums - 1.0) > ROW_SUM_TOL
+    off = np.abs(sums - 1.0) > tol
     if off.any():
         row = int(np.argmax(off))
-        raise ValueError(f"rows of {name} must sum to 1 within {ROW_SUM_TOL:g}; row {row} sums to {sums[row]:.6g} "
+        raise ValueError(f"rows of {name} must sum to 1 within {tol:g}; row {row} sums to {sums[row]:.6g} "
                          f"({int(off.sum())} of {len(p)} rows are off). Pass probabilities, not logits "
                          "(use softmax, or apply_temperature for log-probabilities)")
     return np.minimum(p, 1.0)
@@ -275,7 +294,7 @@ def bin_stats(probs: ArrayLike, labels: ArrayLike, n_bins: int = 15, kind: str =
 
     Args:
         probs: (N, K) predictive probabilities, torch tensor or numpy array, any
-            float dtype; rows must sum to 1 within 1e-4.
+            float dtype; rows must sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
         labels: (N,) integer class labels in ``[0, K)``.
         n_bins: number M >= 1 of equal-width bins over [0, 1].
         kind: ``"top_label"`` or ``"all_class"``.
@@ -345,7 +364,7 @@ def ece(probs: ArrayLike, labels: ArrayLike, n_bins: int = 15, kind: str = "top_
 
     Args:
         probs: (N, K) predictive probabilities (torch or numpy, any float dtype);
-            rows sum to 1 within 1e-4.
+            rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
         labels: (N,) integer labels in ``[0, K)``.
         n_bins: number M >= 1 of equal-width bins over [0, 1] (default 15).
         kind: ``"top_label"`` (default) or ``"all_class"``.
@@ -385,7 +404,7 @@ def mce(probs: ArrayLike, labels: ArrayLike, n_bins: int = 15, kind: str = "top_
     max the dilution only acts through the bins' averages).
 
     Args:
-        probs: (N, K) predictive probabilities; rows sum to 1 within 1e-4.
+        probs: (N, K) predictive probabilities; rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
         labels: (N,) integer labels in ``[0, K)``.
         n_bins: number M >= 1 of equal-width bins (default 15).
         kind: ``"top_label"`` (default) or ``"all_class"``.
@@ -419,7 +438,7 @@ def nll(probs: ArrayLike, labels: ArrayLike, eps: float = NLL_EPS) -> float:
     The clamp at ``eps`` keeps the result finite when a label gets probability 0.
 
     Args:
-        probs: (N, K) predictive probabilities; rows sum to 1 within 1e-4.
+        probs: (N, K) predictive probabilities; rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
         labels: (N,) integer labels in ``[0, K)``.
         eps: smallest probability used inside the log (default 1e-12).
 
@@ -452,7 +471,7 @@ def brier(probs: ArrayLike, labels: ArrayLike) -> float:
     Summed (not averaged) over classes, so it lies in [0, 2].
 
     Args:
-        probs: (N, K) predictive probabilities; rows sum to 1 within 1e-4.
+        probs: (N, K) predictive probabilities; rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
         labels: (N,) integer labels in ``[0, K)``.
 
     Returns:
@@ -477,7 +496,7 @@ def accuracy(probs: ArrayLike, labels: ArrayLike) -> float:
     r"""Top-1 accuracy: :math:`\frac{1}{N}\sum_i [\arg\max_j p_{ij} = y_i]` (ties go to the lowest index).
 
     Args:
-        probs: (N, K) predictive probabilities; rows sum to 1 within 1e-4.
+        probs: (N, K) predictive probabilities; rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
         labels: (N,) integer labels in ``[0, K)``.
 
     Returns:
@@ -505,7 +524,7 @@ def predictive_entropy(probs: ArrayLike, reduction: str = "mean") -> float | np.
     this is the total uncertainty (BayesDLL arXiv:2309.12928, §3).
 
     Args:
-        probs: (N, K) predictive probabilities; rows sum to 1 within 1e-4.
+        probs: (N, K) predictive probabilities; rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
         reduction: ``"mean"`` (default, returns a float), ``"sum"`` (float) or
             ``"none"`` (returns the per-example entropies).
 
@@ -777,7 +796,7 @@ def report(probs: ArrayLike, labels: ArrayLike, *, val: Sequence[ArrayLike] | No
     accuracy is the same at both temperatures.
 
     Args:
-        probs: (N, K) test predictive probabilities; rows sum to 1 within 1e-4.
+        probs: (N, K) test predictive probabilities; rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
         labels: (N,) integer test labels in ``[0, K)``.
         val: optional ``(probs_val, labels_val)`` validation predictive (same K);
             T is fitted on ``log(probs_val)`` and applied to ``log(probs)``.

@@ -4,7 +4,8 @@ Classification measures take ``sample_probs`` of shape ``(S, B, K)``: the class
 probabilities :math:`p_s = p(y \mid x_b, \theta_s)` of ``B`` examples under
 ``S`` posterior samples, e.g. ``bnn.sample_logits(x, S).softmax(-1)``. Inputs
 may be torch tensors (any device, any float dtype) or numpy arrays; every row
-(over K) must lie in [0, 1] and sum to 1 within 1e-4 (it is then divided by
+(over K) must lie in [0, 1] and sum to 1 within 1e-4 (within 4 machine
+epsilons for float16/bfloat16 input, which is upcast; it is then divided by
 its sum, so the measures see exactly normalised rows). Everything is computed
 in float64 and per-example results are returned as float64 CPU tensors of
 shape ``(B,)``.
@@ -52,7 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .calibration import ROW_SUM_TOL, ArrayLike, _to_float64
+from .calibration import ArrayLike, _row_sum_tol, _to_float64
 
 __all__ = [
     "PREDICTIVE_STD_REDUCTIONS",
@@ -106,16 +107,17 @@ def _check_sample_probs(sample_probs: ArrayLike, *, min_samples: int = 1, caller
         raise ValueError(f"{caller} needs at least {min_samples} posterior samples, got S = {shape[0]} "
                          f"({name} of shape {shape}); accepted: S >= {min_samples}")
     _check_finite(p, name)
-    bad = (p < 0) | (p > 1 + ROW_SUM_TOL)
+    tol = _row_sum_tol(sample_probs)
+    bad = (p < 0) | (p > 1 + tol)
     if bad.any():
         where = np.argwhere(bad)[0]
         raise ValueError(f"{name}{_at(where)} = {float(p[tuple(where)])!r} is not a probability; "
                          "accepted: values in [0, 1]")
     sums = p.sum(axis=-1)
-    off = np.abs(sums - 1.0) > ROW_SUM_TOL
+    off = np.abs(sums - 1.0) > tol
     if off.any():
         where = np.argwhere(off)[0]
-        raise ValueError(f"rows of {name} (over the last axis, K) must sum to 1 within {ROW_SUM_TOL:g}; row "
+        raise ValueError(f"rows of {name} (over the last axis, K) must sum to 1 within {tol:g}; row "
                          f"{_at(where)} sums to {float(sums[tuple(where)]):.6g} ({int(off.sum())} of "
                          f"{off.size} rows are off). Pass probabilities, not logits: apply softmax over the last axis")
     t = torch.from_numpy(p)
@@ -202,7 +204,7 @@ def predictive_entropy(sample_probs: ArrayLike) -> torch.Tensor:
 
     Args:
         sample_probs: (S, B, K) class probabilities under S posterior samples
-            (torch or numpy, any float dtype); rows sum to 1 within 1e-4.
+            (torch or numpy, any float dtype); rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
 
     Returns:
         (B,) float64 CPU tensor, in nats, in [0, log K].
@@ -232,7 +234,7 @@ def expected_entropy(sample_probs: ArrayLike) -> torch.Tensor:
 
     Args:
         sample_probs: (S, B, K) class probabilities under S posterior samples;
-            rows sum to 1 within 1e-4.
+            rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
 
     Returns:
         (B,) float64 CPU tensor, in nats, in [0, log K].
@@ -267,7 +269,7 @@ def mutual_information(sample_probs: ArrayLike) -> torch.Tensor:
 
     Args:
         sample_probs: (S, B, K) class probabilities under S posterior samples;
-            rows sum to 1 within 1e-4.
+            rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
 
     Returns:
         (B,) float64 CPU tensor, in nats, in [0, log K].
@@ -312,7 +314,7 @@ def variation_ratio(sample_probs: ArrayLike) -> torch.Tensor:
 
     Args:
         sample_probs: (S, B, K) class probabilities under S posterior samples;
-            rows sum to 1 within 1e-4.
+            rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
 
     Returns:
         (B,) float64 CPU tensor in [0, 1 - 1/K].
@@ -347,7 +349,7 @@ def predictive_std(sample_probs: ArrayLike, reduction: str = "predicted") -> tor
 
     Args:
         sample_probs: (S, B, K) class probabilities under S >= 2 posterior
-            samples; rows sum to 1 within 1e-4.
+            samples; rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
         reduction: ``"predicted"`` or ``"none"``.
 
     Returns:
@@ -417,7 +419,7 @@ def ga_uncertainty(sample_probs: ArrayLike, cutoff: float) -> torch.Tensor:
 
     Args:
         sample_probs: (S, B, K) class probabilities under S >= 2 posterior
-            samples; rows sum to 1 within 1e-4.
+            samples; rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
         cutoff: the threshold c on G, a finite number (natural choices are
             half-integers 0.5, 1.5, ..., S - 0.5).
 
@@ -510,7 +512,7 @@ def ga_cutoff(sample_probs: ArrayLike, correct: ArrayLike, alpha: float = 0.1) -
 
     Args:
         sample_probs: (S, B, K) held-out class probabilities under S >= 2
-            posterior samples; rows sum to 1 within 1e-4.
+            posterior samples; rows sum to 1 within 1e-4 (float16/bfloat16: 4 eps).
         correct: (B,) bool or 0/1, True where the (posterior-predictive)
             prediction was correct; needs both outcomes.
         alpha: the γ level, in (0, 1).

@@ -51,12 +51,12 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
             (Shen et al. 2024; train with ``bw.optim.IVON``), or the
             sparsifying variational-dropout methods ``"sparse_vd"`` (Molchanov et al. 2017) and
             ``"kingma_vd"`` (Kingma et al. 2015).
-        num_data: N, the training-set size that scales the prior/KL term.
-        prior_std: prior σ (> 0); ``None`` (only with ``"map"``) for no prior.
+        num_data: N, the training-set size that scales the prior/KL term (integer ≥ 1).
+        prior_std: prior σ in [1e-18, 1e18]; ``None`` (only with ``"map"``) for no prior.
         prior_mean: ``"init"``, ``"zero"`` or ``{name: tensor}``.
         bias: ``"informative"`` or ``"uninformative"`` (MC-dropout also
             ``"gaussian"``, ``"spikymix"``, ``"ignore"``).
-        params: Bayesian parameters: ``None`` (all), glob patterns, or a callable.
+        params: Bayesian parameters: ``None`` (all), a non-empty list of glob patterns, or a callable.
         likelihood: ``"categorical"`` or ``"gaussian"``.
         noise_std: Gaussian likelihood noise std.
         **method_options_: ``kl_weight`` and ``chunk_size`` for every method, plus
@@ -70,8 +70,15 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
         The :class:`BayesianModel` of the chosen method.
 
     Raises:
-        ValueError: for an unknown method or option, or any invalid value
-            (the message names the value and lists the accepted ones).
+        ValueError: for an unknown method or option, or any invalid value (the
+            message names the value and lists the accepted ones): integer options
+            (``num_data``, ``chunk_size``, ``num_train_samples``, ``thinning``, ...)
+            that are not integers in range (bools, NaN, inf, strings and
+            non-integral floats are refused; numpy integers, 0-d integer tensors
+            and integral floats such as 3.0 are accepted); scales (``prior_std``,
+            ``init_std``, ``noise_std``, ``kl_weight`` > 0) outside [1e-18, 1e18],
+            so that float32 holds σ², 1/σ² and log σ; ``params=[]``; a model on the
+            ``meta`` device, or with NaN/inf weights or ``prior_mean`` tensors.
 
     Example:
         >>> bnn = bw.wrap(timm.create_model("resnet18", num_classes=10), "vi", num_data=50_000)

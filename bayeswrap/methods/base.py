@@ -18,9 +18,8 @@ Everything else (the functional forward, the loss, the posterior predictive,
 from __future__ import annotations
 
 import copy
-from abc import ABC, abstractmethod
-import math
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
@@ -28,9 +27,10 @@ import torch
 from torch import nn
 from torch.func import vmap
 
-from ..functional import NamedTensors, ParamSelector, call, select_parameters, split_state
+from ..functional import NamedTensors, ParamSelector, call, nonfinite_names, select_parameters, split_state
 from ..likelihoods import at_least_float32, make_likelihood
-from ..priors import GaussianPrior, check_prior_std
+from ..checks import SCALE_RANGE, check_float, check_int, check_scale
+from ..priors import GaussianPrior
 
 METHODS: dict[str, type[BayesianModel]] = {}
 
@@ -78,10 +78,12 @@ class BayesianModel(nn.Module, ABC):
     ``torch.func.functional_call`` on a storage-free (``meta``) copy of it.
 
     Args:
-        model: any ``nn.Module``, e.g. a pretrained timm/torchvision ResNet or ViT.
+        model: any ``nn.Module``, e.g. a pretrained timm/torchvision ResNet or ViT,
+            with real, finite weights (not on the ``meta`` device).
         num_data: N, the number of training examples that scales the prior or KL
-            term (BayesDLL's ``ND * Ninflate``). Integer ≥ 1.
-        prior_std: σ of the Gaussian prior (> 0). ``None`` means no prior
+            term (BayesDLL's ``ND * Ninflate``). Integer ≥ 1 (numpy integers,
+            0-d integer tensors and integral floats are accepted).
+        prior_std: σ of the Gaussian prior, in [1e-18, 1e18]. ``None`` means no prior
             (only for ``"map"``: maximum likelihood).
         prior_mean: θ̄: ``"init"`` (the model's current weights), ``"zero"``, or a
             mapping ``{parameter name: tensor}`` covering the Bayesian parameters.
@@ -96,14 +98,20 @@ class BayesianModel(nn.Module, ABC):
         noise_std: output noise std of the Gaussian likelihood, in target units.
         kl_weight: multiplies the KL/prior term (BayesDLL's ``kld``); 1 is the
             exact posterior, smaller values discount the prior (e.g. to account
-            for data augmentation).
+            for data augmentation). 0 or a number in [1e-18, 1e18].
         chunk_size: number of posterior samples evaluated at once under ``vmap``
-            by :meth:`sample_logits`; bounds memory to ``chunk_size`` copies of
-            the Bayesian parameters.
+            by :meth:`sample_logits` (integer ≥ 1); bounds memory to ``chunk_size``
+            copies of the Bayesian parameters.
 
     Raises:
-        ValueError: on an unknown likelihood or bias option, ``prior_std <= 0``,
-            ``num_data < 1``, or ``params`` patterns that match nothing.
+        ValueError: on an unknown likelihood or bias option; ``num_data`` or
+            ``chunk_size`` not an integer >= 1; ``prior_std``, ``kl_weight`` (> 0)
+            or ``noise_std`` outside [1e-18, 1e18] (float32 must hold σ², 1/σ²
+            and log σ); ``params`` that select nothing (an empty list, or a
+            pattern that matches no trainable parameter); a model whose tensors
+            are on the ``meta`` device or uninitialised, or whose weights (or
+            ``prior_mean`` tensors) contain NaN or inf. Every message names the
+            value and lists the accepted ones.
     """
 
     method = "base"
@@ -120,18 +128,19 @@ class BayesianModel(nn.Module, ABC):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(num_data, bool) or not isinstance(num_data, (int, float)) or num_data < 1 \
-                or int(num_data) != num_data:
-            raise ValueError(f"num_data={num_data!r} must be an integer >= 1 (the training-set size N)")
+        self.num_data = check_int("num_data", num_data, minimum=1, note="the training-set size N")
         if bias not in self.bias_options:
             raise ValueError(f"bias={bias!r} is not accepted by method {self.method!r}; "
                              f"accepted: {self.bias_options}")
-        self.num_data = int(num_data)
-        self.prior_std = check_prior_std(prior_std, allow_none=self.allows_no_prior)
-        self.kl_weight = _positive("kl_weight", kl_weight, allow_zero=True)
-        self.chunk_size = int(_positive("chunk_size", chunk_size))
+        if prior_std is None and not self.allows_no_prior:
+            raise ValueError("prior_std=None (no prior) is only accepted by method 'map'; accepted: a finite "
+                             f"number in [{SCALE_RANGE[0]:g}, {SCALE_RANGE[1]:g}]")
+        self.prior_std = None if prior_std is None else check_scale("prior_std", prior_std)
+        self.kl_weight = check_scale("kl_weight", kl_weight, allow_zero=True)
+        self.chunk_size = check_int("chunk_size", chunk_size, minimum=1, note="posterior samples per vmap chunk")
         self.bias = bias
         self.likelihood = make_likelihood(likelihood, noise_std)
+        _check_model_tensors(model)
 
         self.bayesian_names = select_parameters(model, params)
         all_params, buffers = split_state(model)
@@ -226,13 +235,25 @@ class BayesianModel(nn.Module, ABC):
         Empty groups are omitted.
 
         Args:
-            head: model parameter names (as in ``model.named_parameters()``).
-            lr_head: learning rate of the head groups (set as the group's ``lr``).
+            head: model parameter names (as in ``model.named_parameters()``); a single
+                string is one name.
+            lr_head: learning rate of the head groups (set as the group's ``lr``),
+                ``None`` or a finite number > 0.
 
         Returns:
             ``[{"params": [...], "name": "posterior" | "posterior/head" | "point" | "point/head", ...}]``.
+
+        Raises:
+            ValueError: if a ``head`` name is not a parameter of the wrapped model (it
+                would silently get the body's learning rate), or ``lr_head`` is not
+                ``None`` or a finite number > 0.
         """
-        head = set(head)
+        head = {head} if isinstance(head, str) else set(head)
+        unknown = sorted(head - {n for n, _ in self.model.named_parameters(remove_duplicate=False)}, key=str)
+        if unknown:
+            raise ValueError(f"head names {unknown[:8]} are not parameters of the wrapped model; accepted: names "
+                             f"from model.named_parameters(), e.g. {[*self.bayesian_names, *self.point][-4:]}")
+        lr_head = check_float("lr_head", lr_head, low=0.0, low_open=True, allow_none=True)
         groups: dict[str, dict] = {}
         for full_name, p in self.named_parameters():
             container, mangled = full_name.split(".", 1)
@@ -281,7 +302,14 @@ class BayesianModel(nn.Module, ABC):
             A :class:`LossOutput` (``loss``, ``nll``, ``kl``, ``logits``).
 
         Raises:
-            ValueError: if class labels are out of range or targets mis-shaped.
+            ValueError: if class labels are out of range, targets mis-shaped, or a
+                categorical model's outputs are not logits of shape (B, K), K >= 2.
+            TypeError: if the model does not return a tensor.
+
+        Inputs are not checked for NaN or inf here (that would cost a device sync
+        per step): a non-finite input gives a non-finite loss, and
+        :func:`bayeswrap.fit` then says whether the inputs, the parameters or the
+        initial state caused it.
         """
         num = getattr(self, "num_train_samples", 1)
         theta, kl = self._sample_and_regularizer()
@@ -307,8 +335,12 @@ class BayesianModel(nn.Module, ABC):
 
         Returns:
             ``{name: tensor of shape (S, *param_shape)}``.
+
+        Raises:
+            ValueError: if ``num_samples`` is not an integer >= 1.
+            NotFittedError: if the posterior does not exist yet.
         """
-        num_samples = _num_samples(num_samples, minimum=1)
+        num_samples = check_int("num_samples", num_samples, minimum=1)
         mean, std = self.posterior_mean(), self.posterior_std()
         out = {}
         for n, m in mean.items():
@@ -325,8 +357,8 @@ class BayesianModel(nn.Module, ABC):
         they run one after another).
 
         Args:
-            x: model input with batch size B.
-            num_samples: S ≥ 1.
+            x: model input with batch size B (a tensor, or a tuple of positional inputs).
+            num_samples: S ≥ 1 (an integer; numpy integers and integral floats are accepted).
             generator: optional ``torch.Generator``.
 
         Returns:
@@ -334,9 +366,16 @@ class BayesianModel(nn.Module, ABC):
 
         Raises:
             NotFittedError: if the posterior does not exist yet.
+            ValueError: if ``num_samples`` is not an integer >= 1, or a floating input
+                contains NaN or inf.
         """
-        num_samples = _num_samples(num_samples, minimum=1)
+        num_samples = check_int("num_samples", num_samples, minimum=1)
         self._check_ready()
+        check_inputs_finite(x)
+        return self._sample_logits(x, num_samples, generator)
+
+    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
+        """:meth:`sample_logits` on checked arguments (methods with their own draws override this)."""
         outs = []
         for start in range(0, num_samples, self.chunk_size):
             thetas = self.sample(min(self.chunk_size, num_samples - start), generator=generator)
@@ -344,23 +383,43 @@ class BayesianModel(nn.Module, ABC):
         return torch.cat(outs, 0)
 
     def _forward_many(self, thetas: dict[str, torch.Tensor], x) -> torch.Tensor:
+        """Outputs under each of the stacked samples ``thetas`` ({name: (S, *shape)}), (S, B, ...).
+
+        One ``vmap`` over the samples where possible. If ``vmap`` fails, the samples
+        are evaluated one at a time: if that fails too, the error is the model's
+        own (e.g. an input of the wrong shape) and is raised as it is, with vmap
+        left on; only if it succeeds is the model taken to lack a batching rule,
+        and vmap is switched off for this model (with one warning).
+        """
         count = next(iter(thetas.values())).shape[0]
         sequential = count == 1 or not self._vmap_ok or (self.training and len(self.model_buffers) > 0)
+        vmap_error = None
         if not sequential:
             try:
-                return vmap(lambda th: self.forward_with(th, x), randomness="different")(thetas)
-            except Exception as err:  # an op without a batching rule: fall back once, loudly
-                self._vmap_ok = False
-                warnings.warn(f"vmap over posterior samples failed ({type(err).__name__}: {err}); "
-                              "evaluating samples one at a time", RuntimeWarning, stacklevel=3)
-        return torch.stack([self.forward_with({n: t[i] for n, t in thetas.items()}, x) for i in range(count)])
+                out = vmap(lambda th: self.forward_with(th, x), randomness="different")(thetas)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as err:  # maybe an op without a batching rule: decided below
+                vmap_error = err
+            else:
+                self.likelihood.check_outputs(out[0] if isinstance(out, torch.Tensor) else out)
+                return out
+        outs = [self.forward_with({n: t[i] for n, t in thetas.items()}, x) for i in range(count)]
+        self.likelihood.check_outputs(outs[0])
+        out = torch.stack(outs)
+        if vmap_error is not None:  # the samples run one at a time but not under vmap: a genuine vmap limitation
+            self._vmap_ok = False
+            warnings.warn(f"vmap over posterior samples failed ({type(vmap_error).__name__}: {vmap_error}); "
+                          "this model's samples are evaluated one at a time from now on", RuntimeWarning,
+                          stacklevel=4)
+        return out
 
     @torch.no_grad()
     def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None):
         """Posterior predictive p(y|x, D) ≈ (1/S) Σ_s p(y|x, θ_s) (BayesDLL eqs. 5 and 9).
 
         Args:
-            x: model input with batch size B.
+            x: model input with batch size B (a tensor, or a tuple of positional inputs).
             num_samples: S. ``0`` uses the posterior mean instead of samples
                 (BayesDLL's ``nst=0``).
             generator: optional ``torch.Generator`` for reproducible samples.
@@ -374,18 +433,23 @@ class BayesianModel(nn.Module, ABC):
         Raises:
             NotFittedError: if the posterior does not exist yet (Laplace before
                 ``fit_curvature``, SGLD before any sample was kept).
-            ValueError: if ``num_samples`` is negative or not an integer.
+            ValueError: if ``num_samples`` is not an integer >= 0, a floating input
+                contains NaN or inf (one ``torch.isfinite(x).all()`` per call), or
+                a categorical model's outputs are not logits of shape (B, K), K >= 2.
+            TypeError: if the model does not return a tensor.
         """
-        num_samples = _num_samples(num_samples, minimum=0)
+        num_samples = check_int("num_samples", num_samples, minimum=0)
         self._check_ready()
+        check_inputs_finite(x)
         if num_samples == 0:
             outs = self.forward_with(self.posterior_mean(), x).unsqueeze(0)
         else:
-            outs = self.sample_logits(x, num_samples, generator=generator)
+            outs = self._sample_logits(x, num_samples, generator)
         return self._predictive(outs)
 
     def _predictive(self, outs: torch.Tensor):
-        """Averages (S, B, ·) outputs into the predictive of the likelihood."""
+        """Averages (S, B, ·) outputs into the predictive of the likelihood (after checking their shape)."""
+        self.likelihood.check_outputs(outs[0] if isinstance(outs, torch.Tensor) and outs.dim() else outs)
         if self.likelihood.name == "categorical":
             return at_least_float32(outs).softmax(-1).mean(0)
         mean = outs.mean(0)
@@ -400,6 +464,32 @@ class BayesianModel(nn.Module, ABC):
         return f"the {self.method!r} posterior is not available yet"
 
     # ------------------------------------------------------------------ checkpoints
+    #: state_dict keys whose values may legitimately be NaN or inf (e.g. Laplace's unknown log-likelihood)
+    _nonfinite_state_keys: tuple[str, ...] = ()
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, after checking that the checkpoint holds no NaN or inf.
+
+        Every floating tensor is checked once (the wrapped model's buffers for
+        NaN only: ``-inf`` is a legitimate attention mask).
+
+        Raises:
+            ValueError: naming the first key whose tensor holds NaN or inf; or a
+                checkpoint of another method or other Bayesian parameters.
+            RuntimeError: as ``nn.Module.load_state_dict`` for missing/unexpected keys or shapes.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(f"state_dict must be a mapping from names to tensors (bnn.state_dict()), got "
+                             f"{type(state_dict).__name__}")
+        bad = nonfinite_names(((k, v) for k, v in state_dict.items() if k not in self._nonfinite_state_keys),
+                              nan_only=lambda k: k.startswith("model_buffers."))
+        if bad:
+            count = int((~torch.isfinite(state_dict[bad[0]])).sum())
+            raise ValueError(f"state_dict[{bad[0]!r}] contains {count} non-finite values (NaN or inf)"
+                             f"{f'; so do {bad[1:4]}' if len(bad) > 1 else ''}; accepted: a checkpoint with finite "
+                             "values (was it saved after training diverged?)")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def get_extra_state(self):
         return {"method": self.method, "bayesian_names": list(self.bayesian_names)}
 
@@ -412,6 +502,31 @@ class BayesianModel(nn.Module, ABC):
             raise ValueError("checkpoint's Bayesian parameters do not match this model's: "
                              f"only in checkpoint {sorted(theirs - ours)[:8]}, "
                              f"only in model {sorted(ours - theirs)[:8]}")
+
+
+def _check_model_tensors(model: nn.Module) -> None:
+    """Refuses models whose weights cannot become the initial posterior and prior mean (once, at wrap time)."""
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    lazy = [n for n, t in named if nn.parameter.is_lazy(t)]
+    if lazy:
+        raise ValueError(f"the model has uninitialised (lazy) tensors, e.g. {lazy[:3]}; run one forward pass "
+                         "before wrapping it so that their shapes are known")
+    meta = [n for n, t in named if t.is_meta]
+    if meta:
+        raise ValueError(f"the model's tensors are on the 'meta' device (e.g. {meta[:3]}), which holds no values: "
+                         "they cannot become the prior mean and the initial posterior; accepted: a model with "
+                         "real weights (materialise it first, e.g. model.to_empty(device='cpu') and then "
+                         "model.load_state_dict(weights))")
+    bad = nonfinite_names(model.named_parameters())
+    if bad:
+        t = dict(model.named_parameters())[bad[0]]
+        raise ValueError(f"the model's parameter {bad[0]!r} contains {int((~torch.isfinite(t)).sum())} non-finite "
+                         f"values (NaN or inf){f'; so do {bad[1:4]}' if len(bad) > 1 else ''}; bayeswrap copies "
+                         "the weights as the initial posterior and the prior mean, so they must be finite")
+    bad = nonfinite_names(model.named_buffers(), nan_only=lambda n: True)
+    if bad:
+        raise ValueError(f"the model's buffer {bad[0]!r} contains NaN; accepted: buffers without NaN "
+                         "(e.g. reset BatchNorm statistics with module.reset_running_stats())")
 
 
 def _storage_free_copy(model: nn.Module) -> nn.Module:
@@ -432,29 +547,48 @@ def _storage_free_copy(model: nn.Module) -> nn.Module:
         return model
 
 
-def _num_samples(value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) and not (
-            isinstance(value, float) and value.is_integer()) or value < minimum:
-        raise ValueError(f"num_samples={value!r} must be an integer >= {minimum}")
-    return int(value)
+# ---------------------------------------------------------------------- batch and input checks
+def batch_pair(batch, where: str = "the loader"):
+    """``(inputs, targets)`` of one loader batch, or a ValueError saying what the batch was.
+
+    Args:
+        batch: one item yielded by a loader.
+        where: how to name the loader and batch in the message, e.g. ``"train_loader batch 3"``.
+
+    Raises:
+        ValueError: unless ``batch`` is a pair (tuple or list of length 2).
+    """
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if isinstance(batch, Mapping):
+        got = f"a {type(batch).__name__} with keys {list(batch)[:8]}"
+    elif isinstance(batch, (tuple, list)):
+        got = f"a {type(batch).__name__} of length {len(batch)}"
+    elif isinstance(batch, torch.Tensor):
+        got = f"a single tensor of shape {tuple(batch.shape)}"
+    else:
+        got = f"a {type(batch).__name__}"
+    raise ValueError(f"{where} yielded {got}; accepted: (inputs, targets) pairs, e.g. a DataLoader over a "
+                     "TensorDataset(x, y) or a list of (x, y) tuples (wrap other loaders so they yield pairs)")
 
 
-def finite_float(name: str, value) -> float:
-    """``float(value)``, or a ValueError naming ``name`` if it is not a finite number."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}={value!r} is not a number") from None
-    if not math.isfinite(v):
-        raise ValueError(f"{name}={value!r} must be finite")
-    return v
+def check_inputs_finite(x, name: str = "x") -> None:
+    """Raises ValueError if a floating input tensor (or one of a tuple of inputs) holds a NaN or an infinity.
 
+    One ``torch.isfinite(x).all()`` per floating tensor (one device sync); non-tensor inputs are not inspected.
 
-def _positive(name: str, value, allow_zero: bool = False) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}={value!r} is not a number") from None
-    if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
-        raise ValueError(f"{name}={value!r} must be {'>= 0' if allow_zero else '> 0'} and finite")
-    return v
+    Args:
+        x: a model input, or a tuple/list of positional inputs.
+        name: how the message names the input.
+
+    Raises:
+        ValueError: naming the input, its shape and the number of non-finite values.
+    """
+    parts = x if isinstance(x, (tuple, list)) else (x,)
+    for i, t in enumerate(parts):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel() \
+                and not bool(torch.isfinite(t).all()):
+            label = name if len(parts) == 1 and not isinstance(x, (tuple, list)) else f"{name}[{i}]"
+            count = int((~torch.isfinite(t)).sum())
+            raise ValueError(f"{label} (shape {tuple(t.shape)}) contains {count} non-finite values (NaN or inf); "
+                             "accepted: finite inputs")

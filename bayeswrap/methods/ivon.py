@@ -27,7 +27,9 @@ import torch
 from .. import optim as bw_optim
 from ..functional import NamedTensors
 from ..fused import standard_normal_like
-from .base import BayesianModel, _positive, register_method
+from .base import BayesianModel, check_float, register_method
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @register_method("ivon")
@@ -53,7 +55,9 @@ class IVON(BayesianModel):
         >>> bw.fit(bnn, train_loader, epochs=10, optimizer=opt)
 
     Raises:
-        ValueError: if ``hess_init`` ≤ 0, ``kl_weight`` is 0 or ``bias`` is not ``"informative"``.
+        ValueError: if ``hess_init`` is not a finite number > 0 (or so large that the
+            initial precision λ(h₀ + δ) overflows float32), ``kl_weight`` is 0 or
+            ``bias`` is not ``"informative"``.
 
     Notes:
         One Monte Carlo sample per step (Algorithm 1 with one sample). λ and δ
@@ -67,11 +71,18 @@ class IVON(BayesianModel):
     bias_options = ("informative",)
 
     def __init__(self, model, *, hess_init: float = 1.0, **kwargs):
-        self.hess_init = _positive("hess_init", hess_init)
+        self.hess_init = check_float("hess_init", hess_init, low=0.0, high=FLOAT32_MAX, low_open=True,
+                                     note="float32 must hold h₀")
         super().__init__(model, **kwargs)
         if self.kl_weight == 0:
             raise ValueError("kl_weight=0 is not accepted by method 'ivon' (λ = num_data / kl_weight); "
                              "accepted: kl_weight > 0")
+        precision = self.ess * (self.hess_init + self.weight_decay)  # λ(h₀ + δ) = 1/σ₀², held in float32
+        if not precision <= FLOAT32_MAX:
+            largest = FLOAT32_MAX / self.ess - self.weight_decay
+            raise ValueError(f"hess_init={hess_init!r} gives an initial posterior precision λ(h₀ + δ) = "
+                             f"{precision:.3g} (num_data={self.num_data}, kl_weight={self.kl_weight:g}) that float32 "
+                             f"cannot hold; accepted: hess_init in (0, {largest:.3g}]")
         self._perturbation: dict[str, torch.Tensor] = {}
 
     def _init_posterior(self, init):

@@ -78,9 +78,10 @@ import torch
 from torch.func import grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..functional import NamedTensors, _mangle
+from ..functional import NamedTensors, _mangle, nonfinite_names
 from ..likelihoods import at_least_float32
-from .base import BayesianModel, NotFittedError, _num_samples, register_method
+from .base import (BayesianModel, NotFittedError, batch_pair, check_float, check_inputs_finite, check_int,
+                   register_method)
 from .map import MAP
 
 CURVATURES = ("ggn", "fisher", "empirical_fisher")
@@ -95,6 +96,8 @@ PRIOR_DOMINATED_RATIO = 0.01
 MARGLIK_BOUNDS = (1e-10, 1e10)
 #: default grid of the validation search for δ
 DEFAULT_GRID = tuple(10.0 ** (k / 2.5) for k in range(-10, 11))  # logspace(-4, 4, 21)
+#: accepted prior precisions δ = 1/σ² for σ in the prior_std range [1e-18, 1e18]: float32 holds δ and 1/δ
+PRECISION_RANGE = (1e-36, 1e36)
 
 
 @register_method("laplace")
@@ -136,20 +139,20 @@ class Laplace(MAP):
 
     Raises:
         ValueError: on an unknown ``curvature``, ``pred_type`` or
-            ``link_approx``, or a non-positive ``curvature_chunk_size`` /
-            ``curvature_samples``.
+            ``link_approx``, or a ``curvature_chunk_size`` / ``curvature_samples``
+            that is not an integer >= 1.
     """
+
+    #: a checkpoint from before the log-likelihood was stored has it as NaN (see _load_from_state_dict)
+    _nonfinite_state_keys = ("train_log_likelihood",)
 
     def __init__(self, model, *, curvature: str = "ggn", curvature_chunk_size: int = 32,
                  curvature_samples: int = 1, pred_type: str = "glm", link_approx: str = "probit", **kwargs):
         if curvature not in CURVATURES:
             raise ValueError(f"curvature={curvature!r} is not known; accepted: {CURVATURES}")
-        for name, value in (("curvature_chunk_size", curvature_chunk_size), ("curvature_samples", curvature_samples)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 or int(value) != value:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
         self.curvature = curvature
-        self.curvature_chunk_size = int(curvature_chunk_size)
-        self.curvature_samples = int(curvature_samples)
+        self.curvature_chunk_size = check_int("curvature_chunk_size", curvature_chunk_size, minimum=1)
+        self.curvature_samples = check_int("curvature_samples", curvature_samples, minimum=1)
         self.pred_type = _check_choice("pred_type", pred_type, PRED_TYPES)
         self.link_approx = _check_choice("link_approx", link_approx, LINK_APPROXES)
         super().__init__(model, **kwargs)
@@ -336,8 +339,13 @@ class Laplace(MAP):
             ``posterior_var`` filled and ``curvature_fitted`` set.
 
         Raises:
-            ValueError: if the loader yields no examples or the targets do not
-                fit the likelihood.
+            ValueError: if the loader yields no examples or something other than
+                ``(inputs, targets)`` pairs, the targets do not fit the likelihood,
+                or a batch's inputs (or regression targets) contain NaN or inf
+                (the message names the batch index).
+            FloatingPointError: if the log-likelihood or the curvature is not
+                finite although the inputs are (θ* non-finite, or overflow). The
+                posterior is left unchanged on any error.
 
         Warns:
             RuntimeWarning: if Σ_i v_i > 10 Σ_i θ*_i² (the weights sampled by
@@ -352,11 +360,15 @@ class Laplace(MAP):
         log_lik = torch.zeros((), dtype=torch.float64, device=device)
         seen = 0
         try:
-            for x, y in train_loader:
+            for index, batch in enumerate(train_loader):
+                x, y = batch_pair(batch, f"fit_curvature's loader batch {index}")
                 x, y = x.to(device), y.to(device)
                 out = self.forward_with(theta, x)
                 self.likelihood.check_targets(out, y)
-                log_lik -= self.likelihood.nll(out, y, reduction="none").double().sum()
+                batch_log_lik = -self.likelihood.nll(out, y, reduction="none").double().sum()
+                if not bool(torch.isfinite(batch_log_lik)):  # one sync per batch (check_targets syncs anyway)
+                    self._raise_nonfinite_batch(index, x, y, theta)
+                log_lik += batch_log_lik
                 with torch.enable_grad():
                     if self.curvature == "ggn":
                         torch._foreach_add_(list(curv.values()), list(self.ggn_diagonal(x, theta).values()))
@@ -371,6 +383,11 @@ class Laplace(MAP):
             self.train(was_training)
         if seen == 0:
             raise ValueError("fit_curvature got an empty loader; it needs at least one (inputs, targets) batch")
+        bad = nonfinite_names(curv.items())
+        if bad:
+            raise FloatingPointError(f"the curvature of parameter {bad[0]!r} is non-finite (NaN or inf) after {seen} "
+                                     "examples with finite inputs and log-likelihood (the squared gradients overflow; "
+                                     "is θ* diverged?); the posterior was left unchanged")
         scale = self.num_data / seen
         for n, c in curv.items():
             self.curvature_diag[n] = scale * c
@@ -381,6 +398,20 @@ class Laplace(MAP):
                           "is set to 0 (they stay at the MAP value)", RuntimeWarning, stacklevel=3)
         self._warn_if_prior_dominated()
         return self
+
+    def _raise_nonfinite_batch(self, index: int, x, y, theta) -> None:
+        """Says why the log-likelihood of batch ``index`` is not finite: its inputs, its targets or θ*."""
+        where = f"fit_curvature: the log-likelihood of batch {index} is non-finite"
+        check_inputs_finite(x, name=f"{where}: its input x")
+        if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+            raise ValueError(f"{where}: its targets contain {int((~torch.isfinite(y)).sum())} non-finite values "
+                             "(NaN or inf); accepted: finite targets")
+        bad = nonfinite_names(theta.items())
+        if bad:
+            raise FloatingPointError(f"{where}: the MAP parameter {bad[0]!r} contains NaN or inf (training "
+                                     "diverged?); the posterior was left unchanged")
+        raise FloatingPointError(f"{where} although its inputs and θ* are finite (the model's outputs overflow); "
+                                 "the posterior was left unchanged")
 
     def _add_squared_grads(self, acc, x, y, theta, weight: float) -> None:
         """acc += weight · Σ_n g_n² over ``curvature_chunk_size``-example vmap chunks."""
@@ -470,8 +501,14 @@ class Laplace(MAP):
 
         Raises:
             NotFittedError: before :meth:`fit_curvature`.
+            ValueError: if a floating input contains NaN or inf.
         """
         self._check_ready()
+        check_inputs_finite(x)
+        return self._functional_moments(x)
+
+    def _functional_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`functional_moments` on checked inputs."""
         theta = {n: t.detach() for n, t in self.theta.items()}
         var = self.posterior_var.as_dict()
 
@@ -506,6 +543,7 @@ class Laplace(MAP):
         """
         theta = {n: t.detach() for n, t in self.theta.items()}
         f = self.forward_with(theta, x)
+        self.likelihood.check_outputs(f)
 
         def lin(delta):
             return jvp(lambda th: self.forward_with(th, x), (theta,), (delta,))[1]
@@ -515,21 +553,26 @@ class Laplace(MAP):
             for start in range(0, num_samples, self.chunk_size):
                 deltas = self._sample_deltas(min(self.chunk_size, num_samples - start), generator)
                 count = next(iter(deltas.values())).shape[0]
-                tangents = None
+                tangents, vmap_error = None, None
                 if count > 1 and self._vmap_ok:
                     try:
                         tangents = vmap(lin, randomness="different")(deltas)
-                    except Exception as err:  # an op without a batching rule: fall back once, loudly
+                    except torch.OutOfMemoryError:
+                        raise
+                    except Exception as err:  # maybe an op without a batching rule: decided below
                         _raise_if_no_forward_ad(err)
-                        self._vmap_ok = False
-                        warnings.warn(f"vmap over linearised samples failed ({type(err).__name__}: {err}); "
-                                      "evaluating samples one at a time", RuntimeWarning, stacklevel=3)
+                        vmap_error = err
                 if tangents is None:
                     try:
                         tangents = torch.stack([lin({n: d[i] for n, d in deltas.items()}) for i in range(count)])
-                    except Exception as err:
+                    except Exception as err:  # the model's own error (e.g. a mis-shaped input): vmap stays on
                         _raise_if_no_forward_ad(err)
                         raise
+                    if vmap_error is not None:  # one at a time works, vmap does not: a genuine vmap limitation
+                        self._vmap_ok = False
+                        warnings.warn(f"vmap over linearised samples failed ({type(vmap_error).__name__}: "
+                                      f"{vmap_error}); this model's samples are evaluated one at a time from now on",
+                                      RuntimeWarning, stacklevel=4)
                 outs.append(f + tangents)
         return torch.cat(outs, 0)
 
@@ -553,13 +596,15 @@ class Laplace(MAP):
 
         Raises:
             NotFittedError: before :meth:`fit_curvature`.
-            ValueError: on a bad ``num_samples`` or ``pred_type``.
+            ValueError: on a ``num_samples`` that is not an integer >= 1, an unknown
+                ``pred_type``, or a floating input that contains NaN or inf.
         """
         pred_type, _ = self._resolve(pred_type, None)
         if pred_type == "nn":
             return super().sample_logits(x, num_samples, generator=generator)
-        num_samples = _num_samples(num_samples, minimum=1)
+        num_samples = check_int("num_samples", num_samples, minimum=1)
         self._check_ready()
+        check_inputs_finite(x)
         with self._evaluating(), torch.no_grad():
             return self._glm_sample_logits(x, num_samples, generator)
 
@@ -602,18 +647,22 @@ class Laplace(MAP):
 
         Raises:
             NotFittedError: before :meth:`fit_curvature`.
-            ValueError: on a bad ``num_samples``, an unknown ``pred_type`` or
-                ``link_approx``, or ``"probit"`` with ``"nn"``.
+            ValueError: on a ``num_samples`` that is not an integer >= 0, an unknown
+                ``pred_type`` or ``link_approx``, ``"probit"`` with ``"nn"``, a
+                floating input that contains NaN or inf, or a categorical model
+                whose outputs are not logits of shape (B, K), K >= 2.
         """
         pred_type, link_approx = self._resolve(pred_type, link_approx)
-        num_samples = _num_samples(num_samples, minimum=0)
+        num_samples = check_int("num_samples", num_samples, minimum=0)
         self._check_ready()
+        check_inputs_finite(x)
         if num_samples == 0:
             return self._predictive(self.forward_with(self.posterior_mean(), x).unsqueeze(0))
         if pred_type == "nn":
-            return self._predictive(BayesianModel.sample_logits(self, x, num_samples, generator=generator))
+            return self._predictive(BayesianModel._sample_logits(self, x, num_samples, generator))
         if link_approx == "probit":
-            f_mu, f_var = self.functional_moments(x)
+            f_mu, f_var = self._functional_moments(x)
+            self.likelihood.check_outputs(f_mu)
             if self.likelihood.name == "categorical":
                 kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8.0 * f_var)
                 return at_least_float32(kappa * f_mu).softmax(-1)
@@ -728,7 +777,8 @@ class Laplace(MAP):
         else:
             if val_loader is None:
                 raise ValueError("method='val' needs val_loader, an iterable of (inputs, targets) batches")
-            num_samples = _num_samples(num_samples, minimum=1)
+            num_samples = check_int("num_samples", num_samples, minimum=1)
+            seed = check_int("seed", seed)
             best = self._grid_search(val_loader, _check_grid(grid), pred_type, link_approx, num_samples, seed)
         self.prior_precision = best
         return best
@@ -811,14 +861,9 @@ def _check_choice(name: str, value, accepted: tuple[str, ...]) -> str:
     return value
 
 
-def _positive_precision(value) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"prior_precision={value!r} is not a number; accepted: a positive float") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(f"prior_precision={value!r} must be > 0 and finite")
-    return v
+def _positive_precision(value, name: str = "prior_precision") -> float:
+    return check_float(name, value, low=PRECISION_RANGE[0], high=PRECISION_RANGE[1],
+                       note="δ = 1/σ²; float32 must hold δ and the prior variance 1/δ")
 
 
 def _check_grid(grid) -> list[float]:
@@ -827,13 +872,4 @@ def _check_grid(grid) -> list[float]:
     values = grid.detach().flatten().tolist() if torch.is_tensor(grid) else list(grid)
     if not values:
         raise ValueError("grid is empty; accepted: positive prior precisions, e.g. torch.logspace(-4, 4, 21)")
-    out = []
-    for v in values:
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            raise ValueError(f"grid value {v!r} is not a number; accepted: positive finite floats") from None
-        if not (f > 0 and math.isfinite(f)):
-            raise ValueError(f"grid value {v!r} is not valid; accepted: positive finite floats")
-        out.append(f)
-    return out
+    return [_positive_precision(v, f"grid[{i}]") for i, v in enumerate(values)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..functional import NamedTensors, is_bias
-from .base import BayesianModel, _num_samples, register_method
+from .base import BayesianModel, check_float, check_int, register_method
 
 BIAS_OPTIONS = ("informative", "uninformative", "gaussian", "spikymix", "ignore")
 
@@ -38,7 +38,8 @@ class MCDropout(BayesianModel):
         num_train_samples: dropout masks per training step (≥ 1).
 
     Raises:
-        ValueError: if ``p_drop`` is outside [0, 1) or ``bias`` unknown.
+        ValueError: if ``p_drop`` is not a number in [0, 1), ``num_train_samples`` not an
+            integer ≥ 1 or ``bias`` unknown.
 
     Attributes:
         theta: the kept values m, ``{name: Parameter}``.
@@ -47,16 +48,9 @@ class MCDropout(BayesianModel):
     bias_options = BIAS_OPTIONS
 
     def __init__(self, model, *, p_drop: float = 0.1, num_train_samples: int = 1, **kwargs):
-        try:
-            p = float(p_drop)
-        except (TypeError, ValueError):
-            raise ValueError(f"p_drop={p_drop!r} is not a number; accepted: a float in [0, 1)") from None
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"p_drop={p_drop!r} is outside [0, 1)")
-        self.p_drop = p
-        self.num_train_samples = int(num_train_samples)
-        if self.num_train_samples < 1:
-            raise ValueError(f"num_train_samples={num_train_samples!r} must be >= 1")
+        self.p_drop = check_float("p_drop", p_drop, low=0.0, high=1.0, high_open=True,
+                                  note="the probability that a parameter is reset to its prior mean")
+        self.num_train_samples = check_int("num_train_samples", num_train_samples, minimum=1)
         super().__init__(model, **kwargs)
 
     def _prior_bias(self, bias):
@@ -97,5 +91,5 @@ class MCDropout(BayesianModel):
 
     def sample(self, num_samples, generator=None):
         """Draws S dropout samples θ_s = z_s ⊙ m + (1 − z_s) ⊙ θ̄, ``{name: (S, *shape)}``."""
-        num_samples = _num_samples(num_samples, minimum=1)
+        num_samples = check_int("num_samples", num_samples, minimum=1)
         return self._masked((num_samples,), generator)

@@ -40,7 +40,7 @@ from .. import optim as bw_optim
 from ..functional import NamedTensors
 from ..samples import SampleStore
 from ..schedules import cycle_length, cyclical_step_size, exploration_steps
-from .base import NotFittedError, _num_samples, register_method
+from .base import NotFittedError, check_float, check_int, register_method
 from .map import MAP
 
 #: fraction of the fit's optimizer steps discarded as burn-in when ``burn_in="auto"``
@@ -119,13 +119,8 @@ class SGLD(MAP):
                  sample_device: torch.device | str | None = "cpu", cycles: int | None = None,
                  exploration: float = 0.5, **kwargs):
         self.burn_in = _check_burn_in(burn_in)
-        if isinstance(thinning, bool) or not isinstance(thinning, (int, float)) or int(thinning) != thinning \
-                or thinning < 1:
-            raise ValueError(f"thinning={thinning!r} must be an integer >= 1 (optimizer steps)")
-        self.thinning = int(thinning)
-        if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 0:
-            raise ValueError(f"max_samples={max_samples!r} must be an integer >= 0 (0: store no iterates)")
-        self.max_samples = max_samples
+        self.thinning = check_int("thinning", thinning, minimum=1, note="optimizer steps")
+        self.max_samples = check_int("max_samples", max_samples, minimum=0, note="0: store no iterates")
         self.predictive = predictive
         if isinstance(sample_dtype, str):
             if sample_dtype not in _DTYPES:
@@ -139,11 +134,9 @@ class SGLD(MAP):
         except (RuntimeError, TypeError):
             raise ValueError(f"sample_device={sample_device!r} is not accepted; accepted: None (follow the model), "
                              "'cpu', 'cuda', a torch.device") from None
-        if cycles is not None and (isinstance(cycles, bool) or not isinstance(cycles, int) or cycles < 1):
-            raise ValueError(f"cycles={cycles!r} must be None (plain SGLD) or an integer >= 1")
-        if isinstance(exploration, bool) or not isinstance(exploration, (int, float)) \
-                or not 0 <= exploration < 1:
-            raise ValueError(f"exploration={exploration!r} must be a number in [0, 1) (fraction of each cycle)")
+        cycles = check_int("cycles", cycles, minimum=1, allow_none=True, note="None: plain SGLD")
+        exploration = check_float("exploration", exploration, low=0.0, high=1.0, high_open=True,
+                                  note="fraction of each cycle")
         if cycles is not None and self.burn_in not in ("auto", 0):
             raise ValueError(f"burn_in={burn_in!r} cannot be combined with cycles={cycles}: the exploration stage "
                              "of each cycle replaces the burn-in; leave burn_in='auto'")
@@ -231,13 +224,20 @@ class SGLD(MAP):
             optimizer: the :class:`bayeswrap.optim.SGLD` optimizer of the fit.
 
         Raises:
-            ValueError: if ``burn_in="auto"`` or ``cycles`` is set but ``num_steps``
+            ValueError: if the optimizer's ``num_data`` differs from the model's;
+                if ``burn_in="auto"`` or ``cycles`` is set but ``num_steps``
                 is ``None``, ``cycles`` is set without an optimizer or with more
                 cycles than steps, or ``burn_in="auto"``/``cycles`` with this
                 ``thinning`` would keep no sample at all. (An integer burn-in
                 that leaves no sample only warns: the fit may be a burn-in stage
                 followed by another fit.)
         """
+        if optimizer is not None:
+            for i, group in enumerate(optimizer.param_groups):
+                if group.get("num_data", self.num_data) != self.num_data:
+                    raise ValueError(f"the SGLD optimizer's num_data={group['num_data']!r} (param group {i}) differs "
+                                     f"from the model's num_data={self.num_data}; accepted: the same N, which sets "
+                                     "both the prior's weight and the Langevin noise sqrt(2 lr / N)")
         taken = int(self.num_steps)
         total = None if num_steps is None else taken + int(num_steps)
         if self.cycles is not None:
@@ -380,11 +380,11 @@ class SGLD(MAP):
         """
         if self.predictive == "gaussian":
             return super().sample(num_samples, generator)
-        num_samples = _num_samples(num_samples, minimum=1)
+        num_samples = check_int("num_samples", num_samples, minimum=1)
         device, dtype = self._compute_placement()
         return self._ensemble_store().select(num_samples, device=device, dtype=dtype)
 
-    def sample_logits(self, x, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
         """Model outputs under S posterior samples, (S, B, K) or (S, B, D); see :meth:`sample`.
 
         The ensemble chooses its S stored iterates once and evaluates them
@@ -392,8 +392,7 @@ class SGLD(MAP):
         device at once.
         """
         if self.predictive == "gaussian":
-            return super().sample_logits(x, num_samples, generator)
-        num_samples = _num_samples(num_samples, minimum=1)
+            return super()._sample_logits(x, num_samples, generator)
         store = self._ensemble_store()
         device, dtype = self._compute_placement()
         indices = store.indices(num_samples)
@@ -403,10 +402,11 @@ class SGLD(MAP):
 
 
 def _check_burn_in(burn_in):
-    if burn_in == "auto" and isinstance(burn_in, str):
+    if isinstance(burn_in, str) and burn_in == "auto":
         return "auto"
-    if isinstance(burn_in, bool) or not isinstance(burn_in, (int, float)) or int(burn_in) != burn_in \
-            or burn_in < 0:
+    try:
+        return check_int("burn_in", burn_in, minimum=0)
+    except ValueError:
         raise ValueError(f"burn_in={burn_in!r} is not accepted; accepted: 'auto' (the first "
-                         f"{BURN_IN_FRACTION:.0%} of the fit's optimizer steps) or an integer >= 0 (optimizer steps)")
-    return int(burn_in)
+                         f"{BURN_IN_FRACTION:.0%} of the fit's optimizer steps) or an integer >= 0 "
+                         "(optimizer steps)") from None

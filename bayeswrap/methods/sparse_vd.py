@@ -53,11 +53,14 @@ import torch.nn.functional as F
 
 from ..functional import NamedTensors, is_bias
 from ..sparsity import SparsityMixin
-from .base import BayesianModel, _num_samples, _positive, finite_float, register_method
+from .base import BayesianModel, check_float, check_int, register_method
 
 K1, K2, K3 = 0.63576, 1.87320, 1.48695
 C1, C2, C3 = 1.16145124, -1.50204118, 0.58629921
 LOG_ALPHA_CLIP = (-10.0, 10.0)
+#: accepted initial log-variances (log σ², log α): exp(±80) ≈ 5.5e34 / 1.8e-35, so float32 holds
+#: exp(v), exp(v/2) and their inverses
+LOG_VAR_RANGE = (-80.0, 80.0)
 THETA_EPS = 1e-16
 PRIORS = ("log_uniform",)
 
@@ -106,7 +109,7 @@ class _LogUniformVD(SparsityMixin, BayesianModel):
             raise ValueError(f"prior={prior!r} is not known for method {self.method!r}; accepted: {PRIORS} "
                              "(for a Gaussian prior use method 'vi')")
         self.prior_name = prior
-        self.num_train_samples = int(_positive("num_train_samples", num_train_samples))
+        self.num_train_samples = check_int("num_train_samples", num_train_samples, minimum=1)
         super().__init__(model, **kwargs)
 
     def _has_kl(self, name: str) -> bool:
@@ -158,7 +161,7 @@ class _LogUniformVD(SparsityMixin, BayesianModel):
 
     def sample(self, num_samples, generator=None):
         """θ_s ~ N(θ, σ²) (pruned weights exactly 0), ``{name: (S, *shape)}``."""
-        num_samples = _num_samples(num_samples, minimum=1)
+        num_samples = check_int("num_samples", num_samples, minimum=1)
         return super().sample(num_samples, generator)
 
     def log_alpha(self) -> dict[str, torch.Tensor]:
@@ -178,13 +181,17 @@ class SparseVD(_LogUniformVD):
     log-uniform prior has no scale and is centred at 0) plus:
 
     Args:
-        init_log_var: initial log σ² of every weight (default −10, as in
+        init_log_var: initial log σ² of every weight, in [−80, 80] (default −10, as in
             Molchanov et al.'s code). The means θ start at the model's
             (e.g. pretrained) weights.
         prior: ``"log_uniform"`` (the only one; anything else is a ValueError).
-        num_train_samples: weight draws per training step (≥ 1).
+        num_train_samples: weight draws per training step (integer ≥ 1).
         bias: ``"informative"`` (biases get the prior and can be pruned) or
             ``"uninformative"`` (no KL term for ``*.bias``).
+
+    Raises:
+        ValueError: for ``init_log_var`` outside [−80, 80] (float32 must hold σ²),
+            an unknown ``prior``, or ``num_train_samples`` not an integer ≥ 1.
 
     Attributes:
         theta: the means θ, ``{name: Parameter}``.
@@ -200,7 +207,8 @@ class SparseVD(_LogUniformVD):
 
     def __init__(self, model, *, init_log_var: float = -10.0, prior: str = "log_uniform",
                  num_train_samples: int = 1, **kwargs):
-        self.init_log_var = finite_float("init_log_var", init_log_var)  # log σ², e.g. -10
+        self.init_log_var = check_float("init_log_var", init_log_var, low=LOG_VAR_RANGE[0], high=LOG_VAR_RANGE[1],
+                                        note="log σ²; float32 must hold σ² = exp(init_log_var)")
         super().__init__(model, prior=prior, num_train_samples=num_train_samples, **kwargs)
 
     def _init_posterior(self, init):
@@ -237,10 +245,14 @@ class KingmaVD(_LogUniformVD):
     ``prior_mean`` are accepted and ignored, as for :class:`SparseVD`) plus:
 
     Args:
-        init_log_alpha: initial log α (≤ 0) of every weight (default −4, i.e.
+        init_log_alpha: initial log α in [−80, 0] of every weight (default −4, i.e.
             α ≈ 0.018, Gaussian dropout with a small rate). θ starts at the model's weights.
         prior: ``"log_uniform"`` only.
-        num_train_samples: weight draws per training step (≥ 1).
+        num_train_samples: weight draws per training step (integer ≥ 1).
+
+    Raises:
+        ValueError: for ``init_log_alpha`` outside [−80, 0], an unknown ``prior``, or
+            ``num_train_samples`` not an integer ≥ 1.
 
     Attributes:
         theta: the means θ, ``{name: Parameter}``.
@@ -250,10 +262,8 @@ class KingmaVD(_LogUniformVD):
 
     def __init__(self, model, *, init_log_alpha: float = -4.0, prior: str = "log_uniform",
                  num_train_samples: int = 1, **kwargs):
-        v = finite_float("init_log_alpha", init_log_alpha)
-        if v > 0:
-            raise ValueError(f"init_log_alpha={init_log_alpha!r} must be finite and <= 0 (α ≤ 1)")
-        self.init_log_alpha = v
+        self.init_log_alpha = check_float("init_log_alpha", init_log_alpha, low=LOG_VAR_RANGE[0], high=0.0,
+                                          note="log α; α ≤ 1 and float32 must hold α = exp(init_log_alpha)")
         super().__init__(model, prior=prior, num_train_samples=num_train_samples, **kwargs)
 
     def _init_posterior(self, init):

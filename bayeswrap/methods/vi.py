@@ -53,7 +53,7 @@ import torch
 from ..functional import NamedTensors
 from ..fused import mean_field_sample, standard_normal_like
 from ..sparsity import SparsityMixin
-from .base import BayesianModel, _positive, register_method
+from .base import BayesianModel, check_int, check_scale, register_method
 
 
 #: c, the curvature of the per-datum ELBO in ρ at the mean-field optimum (see the module docstring)
@@ -72,15 +72,20 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
 
     Args:
-        init_std: initial posterior std s₀ (> 0), in parameter units. The
+        init_std: initial posterior std s₀ in [1e-18, 1e18], in parameter units. The
             means m start at the model's weights (= θ̄ for ``prior_mean="init"``).
             BayesDLL starts at s = 1e-6 with a clamped direct parameterisation;
             here s moves at the means' learning rate (see the module docstring),
             so the start matters little.
-        num_train_samples: Monte Carlo samples of θ per training step (≥ 1).
+        num_train_samples: Monte Carlo samples of θ per training step (integer ≥ 1).
         fused: draw the sample and the KL with the fused multi-tensor kernel
             and closed-form gradients (:func:`bayeswrap.fused.mean_field_sample`);
             False uses the plain autograd reference. Same values and gradients.
+
+    Raises:
+        ValueError: for ``init_std`` outside [1e-18, 1e18] (float32 must hold s₀², 1/s₀² and
+            log s₀) or ``num_train_samples`` not an integer ≥ 1, besides the errors of
+            :class:`~bayeswrap.BayesianModel`.
 
     Attributes:
         mean: variational means m, ``{name: Parameter}``.
@@ -89,9 +94,9 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
     """
 
     def __init__(self, model, *, init_std: float = 1e-3, num_train_samples: int = 1, fused: bool = True, **kwargs):
-        self.init_std = _positive("init_std", init_std)
+        self.init_std = check_scale("init_std", init_std)
         self.fused = bool(fused)
-        self.num_train_samples = int(_positive("num_train_samples", num_train_samples))
+        self.num_train_samples = check_int("num_train_samples", num_train_samples, minimum=1)
         super().__init__(model, **kwargs)
 
     def _init_posterior(self, init):

@@ -1,0 +1,276 @@
+"""From a run config to the objects of a run: data, backbone, Bayesian model, optimizer and schedule.
+
+Nothing here writes a file; :mod:`bayeswrap.cli` runs and records what this builds,
+and :func:`bayeswrap.runs.load_run` rebuilds a saved run's model from its
+``config.yaml`` and ``data.json`` without the training data.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.utils.data import DataLoader
+
+from .config import FIELDS, RunConfig
+from .data import DataSplits, build_transforms, load_data
+from .evaluation.shift import hold_out_classes
+from .functional import select_parameters
+from .methods import method_options, wrap
+from .methods.sgld import BURN_IN_FRACTION
+from .models import create_model, data_config, head_parameter_names
+from . import optim as bw_optim
+
+log = logging.getLogger("bayeswrap")
+
+
+class EpochLoader:
+    """A shuffling loader whose order depends only on (seed, epoch), so resumed runs repeat it exactly.
+
+    :func:`bayeswrap.fit` calls :meth:`set_epoch` before each epoch.
+    """
+
+    def __init__(self, dataset, batch_size: int, seed: int, num_workers: int = 0):
+        self.dataset, self.batch_size, self.seed, self.num_workers = dataset, batch_size, seed, num_workers
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return (len(self.dataset) + self.batch_size - 1) // self.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, generator=g,
+                               num_workers=self.num_workers))
+
+
+def eval_loader(dataset, cfg: RunConfig) -> DataLoader:
+    """An in-order loader for evaluation (batch at least 128)."""
+    return DataLoader(dataset, batch_size=max(cfg.batch_size, 128), shuffle=False, num_workers=cfg.num_workers)
+
+
+def device_of(name: str) -> torch.device:
+    """``auto`` (cuda if available), ``cpu``, ``cuda`` or ``cuda:N`` as a device.
+
+    Raises:
+        ValueError: naming the value, for anything else.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device={name!r} is not valid; accepted: auto, cpu, cuda, cuda:N") from None
+
+
+@dataclass
+class DataInfo:
+    """What a saved run needs to know about its data to rebuild the model and read new inputs (``data.json``).
+
+    Attributes:
+        dataset: the dataset name.
+        class_names: the K names of the model's outputs, in output order.
+        input_shape: the shape of one model input, e.g. ``(64,)`` or ``(3, 224, 224)``.
+        image_shape: its ``(C, H, W)`` image layout.
+        num_train: training-set size (before ``num_data_inflate``).
+        steps_per_epoch: optimizer steps per epoch.
+    """
+
+    dataset: str
+    class_names: list[str]
+    input_shape: list[int]
+    image_shape: list[int]
+    num_train: int
+    steps_per_epoch: int
+    num_classes: int = field(init=False)
+
+    def __post_init__(self):
+        self.num_classes = len(self.class_names)
+        self.input_shape, self.image_shape = list(self.input_shape), list(self.image_shape)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("num_classes")
+        return out
+
+
+def data_info(splits: DataSplits, cfg: RunConfig) -> DataInfo:
+    """The :class:`DataInfo` of a run's (held-out-class filtered) splits."""
+    names = list(splits.class_names) if len(splits.class_names) == splits.num_classes else \
+        [str(i) for i in range(splits.num_classes)]
+    return DataInfo(dataset=splits.name, class_names=names, input_shape=list(splits.input_shape),
+                    image_shape=list(splits.image_shape or splits.input_shape), num_train=len(splits.train),
+                    steps_per_epoch=(len(splits.train) + cfg.batch_size - 1) // cfg.batch_size)
+
+
+def load_splits(cfg: RunConfig, model: torch.nn.Module | None = None):
+    """The run's data splits (held-out classes removed) and the held-out-class test set (or None)."""
+    is_mlp = cfg.model == "mlp"
+    kwargs = dict(root=cfg.data_root, download=cfg.download, val_fraction=cfg.val_fraction, seed=cfg.seed)
+    if model is not None:
+        splits = load_data(cfg.dataset, **kwargs, data_config=data_config(model))
+    else:
+        splits = load_data(cfg.dataset, **kwargs, flatten=is_mlp,
+                           img_size=cfg.img_size or (None if cfg.dataset != "digits" or is_mlp else 32))
+    held_out = cfg.held_out_classes(splits.name)
+    ood_test = None
+    if held_out:
+        splits, ood_test = hold_out_classes(splits, held_out)
+    return splits, ood_test
+
+
+def build(cfg: RunConfig, *, for_evaluation: bool = False):
+    """Data, backbone and Bayesian model for a config (nothing is written).
+
+    With ``for_evaluation`` no pretrained weights are fetched: the checkpoint
+    about to be loaded holds every tensor.
+
+    With held-out classes (``cfg.ood_classes``) the splits hold only the kept
+    classes, relabelled 0..K'-1, and the model has K' outputs.
+
+    Returns:
+        ``(splits, ood_test, bnn, head_names, device)``; ``ood_test`` is the dataset
+        of held-out-class test examples, or None.
+    """
+    splits, ood_test = load_splits(cfg)
+    info = data_info(splits, cfg)
+    bnn, head, device, model = build_model(cfg, info, for_evaluation=for_evaluation)
+    if cfg.pretrained and cfg.model != "mlp":  # the pretrained model decides the transforms
+        splits, ood_test = load_splits(cfg, model)
+    return splits, ood_test, bnn, head, device
+
+
+def build_model(cfg: RunConfig, info: DataInfo, *, for_evaluation: bool = False):
+    """The backbone and its Bayesian wrapper for data described by ``info``.
+
+    Returns:
+        ``(bnn, head_names, device, backbone)``; ``bnn`` is on ``device``.
+    """
+    torch.manual_seed(cfg.seed)
+    is_mlp = cfg.model == "mlp"
+    pretrained = cfg.pretrained and not for_evaluation
+    init_checkpoint = None if for_evaluation else (cfg.init_checkpoint or None)
+    extra = {}
+    if is_mlp:
+        extra["in_features"] = int(math.prod(info.input_shape))
+    elif info.dataset in ("digits", "mnist5k") and not cfg.model.startswith("tv:"):
+        extra["in_chans"] = 1
+    model = create_model(cfg.model, info.num_classes, pretrained=pretrained, init_checkpoint=init_checkpoint,
+                         **extra)
+    head = head_parameter_names(model)
+    patterns = [p.strip() for p in cfg.params.split(",") if p.strip()] or None
+    bayesian = select_parameters(model, patterns)
+    if cfg.prior_mean == "auto" and cfg.pretrained and not cfg.init_checkpoint:
+        # BayesDLL: the pretrained body is the prior mean, the new head's prior mean is zero
+        params = dict(model.named_parameters())
+        prior_mean = {n: torch.zeros_like(params[n]) if n in head else params[n].detach() for n in bayesian}
+    elif cfg.prior_mean == "auto":
+        prior_mean = "init" if cfg.init_checkpoint else "zero"
+    else:
+        prior_mean = cfg.prior_mean
+    num_data = max(1, round(info.num_train * cfg.num_data_inflate))
+    options = {k: getattr(cfg, k) for k in method_options(cfg.method) if k in FIELDS}
+    if cfg.method == "laplace":
+        # the reports score every method by the same S-sample protocol, so the GLM predictive is sampled too
+        options["link_approx"] = "mc"
+    if cfg.method == "sgld":
+        options["cycles"] = cfg.cycles or None
+        options["burn_in"] = "auto"
+        if not cfg.cycles:
+            steps = info.steps_per_epoch
+            epochs = cfg.epochs * BURN_IN_FRACTION if cfg.burn_in() is None else cfg.burn_in()
+            options["burn_in"] = round(epochs * steps)
+            # keep samples even in short runs: burn-in at most half of training, and one thinning interval
+            # before the end
+            longest = max(0, min(cfg.epochs * steps // 2, cfg.epochs * steps - cfg.thinning))
+            if options["burn_in"] > longest:
+                options["burn_in"] = longest
+                log.warning("sgld: burn_in_epochs=%s leaves too few samples in %d epochs; burn-in shortened to %d "
+                            "steps", cfg.burn_in_epochs, cfg.epochs, options["burn_in"])
+    bnn = wrap(model, cfg.method, num_data=num_data, prior_std=cfg.prior_std, prior_mean=prior_mean,
+               bias=cfg.bias, params=patterns, kl_weight=cfg.kl_weight, **options)
+    device = device_of(cfg.device)
+    return bnn.to(device), head, device, model
+
+
+def input_transform(cfg: RunConfig, info: DataInfo, model: torch.nn.Module):
+    """The eval-time transform from a PIL image to one model input of shape ``info.input_shape`` (float32).
+
+    Image datasets use the run's eval transform (the pretrained model's timm
+    data config, else resize + ImageNet normalisation). The bundled digit
+    datasets take the image as grey levels in [0, 1] (ink bright on a dark
+    background, as in the data), resized to the dataset's image side and then
+    to the model's input (flat for the MLP).
+    """
+    shape = tuple(info.input_shape)
+    if info.dataset in ("digits", "mnist5k"):
+        import torchvision.transforms.functional as TF
+
+        side = info.image_shape[-1]
+
+        def transform(image):
+            x = TF.to_tensor(TF.resize(image.convert("L"), [side, side], antialias=True))  # (1, side, side)
+            return x.reshape(shape)
+
+        return transform
+    if cfg.pretrained and cfg.model != "mlp":
+        tf = build_transforms(data_config=data_config(model))[1]
+    else:
+        tf = build_transforms(img_size=cfg.img_size or None)[1]
+    return lambda image: tf(image.convert("RGB"))
+
+
+def make_optimizer(cfg: RunConfig, bnn, head) -> torch.optim.Optimizer:
+    """The optimizer of a run: the method's own (SGLD, IVON) if it has one, else SGD with momentum or AdamW.
+
+    ``weight_decay`` applies to the point-estimate groups only; the Bayesian
+    groups carry ``weight_decay=0`` (their prior is in the loss).
+    """
+    groups = bnn.param_groups(head, cfg.lr_head or None)
+    if bnn.required_optimizer is bw_optim.SGLD:
+        return bw_optim.SGLD(groups, lr=cfg.lr, num_data=bnn.num_data, noise_scale=cfg.noise_scale)
+    if bnn.required_optimizer is not None:
+        return bnn.required_optimizer(groups, lr=cfg.lr)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(cfg: RunConfig, epoch: int) -> float:
+    """The learning-rate multiplier of 0-based ``epoch``: linear warm-up, then constant or cosine.
+
+    Warm-up epoch e < w has (e + 1)/(w + 1); then ``constant`` is 1 and
+    ``cosine`` is ½(1 + cos(π (e − w)/(E − w))) (Loshchilov & Hutter 2017, eq. 5
+    without restarts, annealed towards 0 at epoch E).
+    """
+    w, total = cfg.warmup_epochs, cfg.epochs
+    if epoch < w:
+        return (epoch + 1) / (w + 1)
+    if cfg.scheduler == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * (epoch - w) / max(1, total - w)))
+    return 1.0
+
+
+def make_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, start_epoch: int = 0):
+    """A per-epoch ``LambdaLR`` of :func:`lr_factor` (None for a constant lr without warm-up).
+
+    For a resumed run (``start_epoch`` > 0) the schedule continues at
+    ``start_epoch`` from each group's ``initial_lr`` (set from the config), so a
+    changed ``lr`` or ``epochs`` applies from the next epoch on.
+
+    Raises:
+        ValueError: for cyclical SGLD (``cycles`` > 0), whose step size follows its own cycle.
+    """
+    if cfg.scheduler == "constant" and cfg.warmup_epochs == 0:
+        return None
+    if cfg.method == "sgld" and cfg.cycles:
+        raise ValueError(f"scheduler={cfg.scheduler!r}, warmup_epochs={cfg.warmup_epochs}: cyclical SGLD "
+                         f"(cycles={cfg.cycles}) sets its own step size; accepted: scheduler=constant, "
+                         f"warmup_epochs=0")
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: lr_factor(cfg, e), last_epoch=start_epoch - 1)

@@ -1,0 +1,320 @@
+"""Run folders: where a run writes, who may write there, and what may replace or continue it.
+
+A run folder is ``out_dir/<run_name>`` with ``run_name`` a single path
+component. It carries a marker file (:data:`MARKER`) that says bayeswrap made
+it, and while a process writes to it, a lock file (:data:`LOCK`) holding that
+process's pid and host. The rules:
+
+* a new run creates its folder (refusing an existing one) and takes the lock;
+* ``--overwrite`` empties only a bayeswrap run folder inside ``out_dir`` that no
+  live process holds; the folder itself (and so its lock) stays in place;
+* a lock whose process is gone (same host, pid not alive) is stale and is
+  taken over; temporary files (``.*.tmp``) a killed writer left are removed
+  by whoever takes the lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .io import CheckpointError, load_checkpoint, write_text
+
+MARKER = ".bayeswrap-run"
+LOCK = ".lock"
+
+
+class RunFolderError(ValueError):
+    """A run folder that cannot be created, replaced, locked or continued; the message names it."""
+
+
+def is_run_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder bayeswrap wrote: it has the marker, or (older runs) a config.yaml and a train.log."""
+    path = Path(path)
+    return path.is_dir() and not path.is_symlink() and (
+        (path / MARKER).is_file() or ((path / "config.yaml").is_file() and (path / "train.log").is_file()))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class RunLock:
+    """An exclusive lock on a run folder: a ``.lock`` file created with ``O_EXCL`` holding ``pid host``.
+
+    Use as a context manager, or :meth:`acquire` / :meth:`release`.
+
+    Raises:
+        RunFolderError: from :meth:`acquire`, if a live process (or one on
+            another host, whose liveness cannot be checked) holds the lock.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK
+        self.held = False
+
+    def owner(self) -> tuple[int, str] | None:
+        """``(pid, host)`` of a live holder, or None if the folder is not locked or the lock is stale."""
+        try:
+            text = self.path.read_text(encoding="utf-8").split()
+            pid, host = int(text[0]), text[1]
+        except FileNotFoundError:
+            return None
+        except (ValueError, IndexError, OSError, UnicodeDecodeError):
+            return None  # half-written or garbled lock: its writer died between create and write
+        if host == socket.gethostname() and not _pid_alive(pid):
+            return None
+        return pid, host
+
+    def acquire(self) -> RunLock:
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self.owner()
+                if holder is not None:
+                    raise RunFolderError(
+                        f"run folder {self.run_dir} is in use by process {holder[0]} on {holder[1]} (lock file "
+                        f"{self.path}); wait for that run to finish, or remove the lock file if that process is "
+                        f"gone") from None
+                self.path.unlink(missing_ok=True)  # stale: its process is gone
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(f"{os.getpid()} {socket.gethostname()}\n")
+            self.held = True
+            remove_stale_tmp(self.run_dir)
+            return self
+        raise RunFolderError(f"could not take the lock {self.path}: another process keeps re-creating it")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def __enter__(self) -> RunLock:
+        return self if self.held else self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def remove_stale_tmp(run_dir: Path) -> list[Path]:
+    """Removes the temporary files (``.*.tmp``) a killed writer left in ``run_dir`` (call only under its lock)."""
+    removed = []
+    for tmp in Path(run_dir).glob(".*.tmp"):
+        if tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def _write_marker(run_dir: Path, kind: str) -> None:
+    from . import __version__
+
+    write_text(run_dir / MARKER, json.dumps({"bayeswrap": __version__, "kind": kind}) + "\n")
+
+
+def _inside(out_dir: Path, run_dir: Path) -> bool:
+    return run_dir.resolve().parent == out_dir.resolve()
+
+
+def open_new(out_dir: str | os.PathLike, name: str, *, overwrite: bool = False, kind: str = "run") -> RunLock:
+    """Creates (or, with ``overwrite``, empties) ``out_dir/name`` and returns its held lock.
+
+    Args:
+        out_dir: the parent folder (created if missing).
+        name: a single path component (see :func:`bayeswrap.config.check_run_name`).
+        overwrite: replace the contents of an existing folder, if it is a
+            bayeswrap run folder inside ``out_dir`` and no live process holds it.
+        kind: ``"run"`` or ``"compare"``, written into the marker.
+
+    Raises:
+        RunFolderError: if the folder exists (without ``overwrite``), is not a
+            bayeswrap run folder, is a symlink, lies outside ``out_dir``, or is locked.
+    """
+    out_dir, run_dir = Path(out_dir), Path(out_dir) / name
+    if not name or Path(name).name != name or name in (".", ".."):
+        raise RunFolderError(f"run name {name!r} is not a single folder name")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir.exists() or run_dir.is_symlink()):
+        try:
+            run_dir.mkdir()
+        except FileExistsError:
+            raise RunFolderError(f"run folder {run_dir} was created by another process just now") from None
+        lock = RunLock(run_dir).acquire()
+        _write_marker(run_dir, kind)
+        return lock
+    hint = f"pass --resume {run_dir} to continue it"
+    if not overwrite:
+        raise RunFolderError(f"run folder {run_dir} exists; {hint} or --overwrite to replace it")
+    if run_dir.is_symlink() or not _inside(out_dir, run_dir):
+        raise RunFolderError(f"--overwrite: {run_dir} is a symbolic link or lies outside out_dir={str(out_dir)!r}; "
+                             f"not removing it")
+    if not is_run_folder(run_dir):
+        raise RunFolderError(f"--overwrite: {run_dir} is not a bayeswrap run folder (no {MARKER} file); not "
+                             f"removing it. Choose another --run-name or --out-dir")
+    lock = RunLock(run_dir).acquire()  # refuses a live run
+    try:
+        clear(run_dir)
+        _write_marker(run_dir, kind)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def clear(run_dir: Path) -> None:
+    """Removes everything in a run folder except its lock file (the caller holds the lock)."""
+    for entry in Path(run_dir).iterdir():
+        if entry.name == LOCK:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def open_existing(run_dir: str | os.PathLike) -> RunLock:
+    """Takes the lock of an existing run folder, to continue it (``--resume``).
+
+    Raises:
+        RunFolderError: if ``run_dir`` is not a bayeswrap run folder, or is locked.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunFolderError(f"--resume {run_dir}: no such run folder")
+    if not is_run_folder(run_dir):
+        raise RunFolderError(f"--resume {run_dir}: not a bayeswrap run folder (no {MARKER} or config.yaml)")
+    return RunLock(run_dir).acquire()
+
+
+# --------------------------------------------------------------------------- a saved run, for prediction
+
+
+@dataclass
+class LoadedRun:
+    """A finished run, rebuilt from its folder by :func:`load_run`.
+
+    Attributes:
+        run_dir: the run folder.
+        config: its :class:`~bayeswrap.config.RunConfig`.
+        model: the trained :class:`~bayeswrap.BayesianModel` (best checkpoint,
+            finalised; eval mode, on the config's device).
+        transform: PIL image -> one model input, float32 of shape ``input_shape``
+            (the run's eval transform).
+        class_names: the K names of the outputs, in output order.
+        input_shape: the shape of one model input.
+    """
+
+    run_dir: Path
+    config: Any
+    model: Any
+    transform: Callable[[Any], torch.Tensor]
+    class_names: list[str]
+    input_shape: tuple[int, ...]
+
+    @torch.no_grad()
+    def sample_probs(self, inputs: torch.Tensor, num_samples: int | None = None, *, batch_size: int = 128,
+                     seed: int = 0) -> torch.Tensor:
+        """Class probabilities under each posterior sample.
+
+        Args:
+            inputs: (N, *input_shape) float model inputs (see :attr:`transform`).
+            num_samples: S >= 0 (default: the run's ``num_samples``); 0 is the posterior mean.
+            batch_size: inputs per forward pass.
+            seed: seed of the posterior samples (the same seed gives the same output).
+
+        Returns:
+            (max(S, 1), N, K) float32 probabilities on the CPU.
+
+        Raises:
+            ValueError: naming the value, for inputs of the wrong shape or with
+                non-finite values, or a bad ``num_samples``/``batch_size``.
+        """
+        from .predictive import model_device, sample_probs_loader
+
+        s = self.config.num_samples if num_samples is None else num_samples
+        for name, value, low in (("num_samples", s, 0), ("batch_size", batch_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} is not valid; accepted: an integer >= {low}")
+        inputs = torch.as_tensor(inputs)
+        if inputs.ndim < 1 or tuple(inputs.shape[1:]) != tuple(self.input_shape):
+            raise ValueError(f"inputs of shape {tuple(inputs.shape)} do not fit this run; accepted: "
+                             f"(N, {', '.join(map(str, self.input_shape))})")
+        if not inputs.is_floating_point():
+            inputs = inputs.float()
+        if not torch.isfinite(inputs).all():
+            raise ValueError("inputs hold NaN or infinite values; accepted: finite numbers")
+        batches = [(chunk, torch.zeros(len(chunk), dtype=torch.long)) for chunk in inputs.split(batch_size)]
+        gen = torch.Generator(device=model_device(self.model)).manual_seed(seed)
+        return sample_probs_loader(self.model, batches, s, generator=gen)[0]
+
+
+def load_run(run_dir: str | os.PathLike, *, device: str | None = None) -> LoadedRun:
+    """The trained model of a finished run folder, with its input transform and class names.
+
+    >>> run = bw.load_run("runs/digits-mlp-vi")
+    >>> x = torch.stack([run.transform(img) for img in images])
+    >>> probs = run.sample_probs(x, num_samples=10).mean(0)   # (N, K) posterior predictive
+
+    The model is rebuilt from ``config.yaml`` and ``data.json`` (so the
+    training data need not be present) and ``best.pt`` is loaded with
+    ``weights_only=True``. No pretrained weights are downloaded.
+
+    Args:
+        run_dir: a folder written by ``bayeswrap fit`` or ``compare``.
+        device: overrides the run's device (e.g. ``"cpu"``).
+
+    Raises:
+        RunFolderError: if ``run_dir`` is not a run folder, or its run has not
+            finished (it has no ``metrics.json``).
+        bayeswrap.io.CheckpointError: naming the file, if ``best.pt`` is damaged
+            or does not match the config.
+        ValueError: if ``config.yaml`` or ``data.json`` is not valid.
+    """
+    from dataclasses import replace
+
+    from .config import load_run_config
+    from .experiment import DataInfo, build_model, data_info, input_transform, load_splits
+
+    run_dir = Path(run_dir)
+    for name in ("config.yaml", "best.pt"):
+        if not (run_dir / name).is_file():
+            raise RunFolderError(f"{run_dir} is not a finished run folder: it has no {name}")
+    if not (run_dir / "metrics.json").is_file():  # best.pt is final (Laplace curvature, SGLD draws) only then
+        raise RunFolderError(f"the run in {run_dir} has not finished (no metrics.json); finish it first: "
+                             f"bayeswrap fit --resume {run_dir}")
+    cfg = load_run_config(run_dir / "config.yaml")
+    if device is not None:
+        cfg = replace(cfg, device=device).validate()
+    if (run_dir / "data.json").is_file():
+        try:
+            info = DataInfo(**json.loads((run_dir / "data.json").read_text(encoding="utf-8")))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{run_dir / 'data.json'} is not valid ({err})") from None
+    else:  # runs written before data.json existed: read the data once
+        info = data_info(load_splits(cfg)[0], cfg)
+    bnn, _, _, backbone = build_model(cfg, info, for_evaluation=True)
+    state = load_checkpoint(run_dir / "best.pt")
+    try:
+        bnn.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {run_dir / 'best.pt'} does not match the run's config: {err}") from None
+    bnn.eval()
+    return LoadedRun(run_dir=run_dir, config=cfg, model=bnn, transform=input_transform(cfg, info, backbone),
+                     class_names=list(info.class_names), input_shape=tuple(info.input_shape))
