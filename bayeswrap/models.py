@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import warnings
 import pickle
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -211,7 +212,7 @@ def create_model(
             loadable with ``weights_only=True``) loaded as initial weights by
             :func:`load_checkpoint`. Its head is used if its shape matches ``K``
             classes; otherwise (e.g. a 1000-class ImageNet checkpoint) the head stays
-            freshly initialised.
+            freshly initialised, with a ``UserWarning`` saying so.
         in_features: ``mlp`` only, required: flattened input size (64 for digits).
         hidden_sizes: ``mlp`` only: hidden widths (default :data:`DEFAULT_MLP_HIDDEN`).
         dropout: ``mlp``: dropout after each hidden layer. timm: passed as ``drop_rate``
@@ -245,7 +246,11 @@ def create_model(
     else:
         model = _create_timm(name, num_classes, use_pretrained, dropout, kwargs)
     if init_checkpoint is not None:
-        load_checkpoint(model, init_checkpoint)
+        loaded = load_checkpoint(model, init_checkpoint)
+        if not loaded.head_loaded:
+            warnings.warn(f"init_checkpoint {str(init_checkpoint)!r} has no {num_classes}-class head (e.g. an ImageNet "
+                          f"checkpoint): its body is loaded and the classifier head starts freshly initialised",
+                          stacklevel=2)
     return model
 
 

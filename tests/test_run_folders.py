@@ -409,3 +409,14 @@ def test_load_checkpoint_names_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"wrong type: epoch \(float, expected int\)"):
         load_checkpoint(path, required={"epoch": int})
     assert math.isfinite(load_checkpoint(path)["epoch"])
+
+
+def test_init_checkpoint_with_another_head_warns(tmp_path):
+    from bayeswrap.models import create_model
+
+    path = tmp_path / "imagenet_like.pt"
+    torch.save(create_model("mlp", 10, in_features=64).state_dict(), path)
+    with pytest.warns(UserWarning, match=r"has no 3-class head .* classifier head starts freshly initialised"):
+        model = create_model("mlp", 3, in_features=64, init_checkpoint=path)
+    body = torch.load(path, weights_only=True)
+    assert torch.equal(model.state_dict()["fc0.weight"], body["fc0.weight"])
