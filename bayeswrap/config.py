@@ -43,7 +43,8 @@ PRIOR_STD_RANGE = SCALE_RANGE
 
 #: the built-in per-method settings: methods with their own optimizer take their own step size (IVON's lr
 #: scales an averaged gradient, with no momentum sum; SGLD has no momentum), chosen on digits' validation NLL
-DEFAULT_PER_METHOD = {"ivon": {"lr": 0.5}, "sgld": {"lr": 0.2}}
+DEFAULT_PER_METHOD = {"ivon": {"lr": 0.5}, "sgld": {"lr": 0.2},
+                      "lbbnn": {"local_reparam": True, "optimizer": "adamw", "lr": 0.01}}
 #: named ``per_method`` mappings a config can ask for
 PER_METHOD_PRESETS = {"bayesdll_mnist": BAYESDLL_PER_METHOD}
 
@@ -84,6 +85,11 @@ class RunConfig:
     sample_dtype: str = _f("float32", "sgld: dtype of the stored iterates: float32, bfloat16, float16, float64")
     cycles: int = _f(0, "sgld: cyclical SGLD cycles (Zhang et al. 2020); 0 = plain SGLD")
     exploration: float = _f(0.5, "sgld: fraction of each cycle spent exploring (no noise, no samples)")
+    prior_inclusion: float = _f(0.1, "lbbnn: prior inclusion probability α_p of each weight, in (0, 1)")
+    flow_length: int = _f(0, "lbbnn: IAF steps of the multiplicative normalizing flow per layer (0 = LBBNN-LRT, "
+                          "2 = LBBNN-FLOW)")
+    local_reparam: bool = _f(False, "vi, lbbnn: sample the pre-activations of Bayesian Linear/Conv2d layers (local "
+                             "reparameterisation; lbbnn's built-in default is true)")
     curvature: str = _f("ggn", "laplace: ggn (exact diagonal generalised Gauss-Newton), fisher (Monte Carlo GGN) "
                         "or empirical_fisher")
     pred_type: str = _f("glm", "laplace: glm (linearised predictive, Immer et al. 2021) or nn (sampled network)")
@@ -151,7 +157,7 @@ class RunConfig:
             raise ValueError(f"scheduler={self.scheduler!r}, warmup_epochs={self.warmup_epochs}: cyclical SGLD "
                              f"(cycles={self.cycles}) sets its own step size; accepted: scheduler=constant, "
                              f"warmup_epochs=0")
-        for name in ("overwrite", "progress", "download", "pretrained", "amp"):
+        for name in ("overwrite", "progress", "download", "pretrained", "amp", "local_reparam"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not a boolean; accepted: true, false")
         check_run_name(self.run_name)
@@ -255,6 +261,8 @@ RANGES: dict[str, tuple[Any, str]] = {
     "p_drop": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
     "noise_scale": (lambda v: v >= 0, "a finite number >= 0"),
     "exploration": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "prior_inclusion": (lambda v: 0 < v < 1, "a number in (0, 1)"),
+    "flow_length": (lambda v: v >= 0, "an integer >= 0"),
 }
 #: options a resumed run may change: they do not touch the data, the split, the model or the method
 RESUME_ALLOWED = ("epochs", "lr", "lr_head", "momentum", "weight_decay", "scheduler", "warmup_epochs",

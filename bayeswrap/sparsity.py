@@ -40,8 +40,8 @@ from torch import nn
 from .methods.base import BayesianModel, NotFittedError
 from .checks import check_float, check_int
 
-RULES = ("log_alpha", "snr")
-DEFAULT_THRESHOLDS = {"log_alpha": 3.0, "snr": 0.83}
+RULES = ("log_alpha", "snr", "inclusion")
+DEFAULT_THRESHOLDS = {"log_alpha": 3.0, "snr": 0.83, "inclusion": 0.5}
 PRUNED_RHO = -1.0e4  # exp(κ · -1e4) == 0 exactly for κ ≥ 0.7 (N ≥ 1): a VI std of exactly zero
 
 __all__ = ["RULES", "DEFAULT_THRESHOLDS", "NotTrainedError", "TensorSparsity", "SparsityReport", "SparsityMixin",
@@ -160,6 +160,9 @@ def check_rule(rule: str | None, threshold: float | None, default_rule: str = "s
         raise ValueError(f"threshold={threshold!r} has the wrong sign for rule 'log_alpha': it must be >= 0 "
                          "(log α > threshold prunes; a negative threshold would prune weights whose mean "
                          "dominates their noise). Molchanov et al. use 3")
+    if rule == "inclusion" and not 0 <= t < 1:
+        raise ValueError(f"threshold={threshold!r} is out of range for rule 'inclusion'; accepted: a number in "
+                         "[0, 1) (α̃ <= threshold prunes; 0.5 gives the median probability model)")
     if rule == "snr" and t <= 0:
         raise ValueError(f"threshold={threshold!r} has the wrong sign for rule 'snr': it must be > 0 "
                          "(|μ/σ| < threshold prunes). Graves uses 0.83")
@@ -190,7 +193,8 @@ def pruning_masks(bnn: BayesianModel, rule: str | None = None, threshold: float 
 
     Args:
         bnn: a Bayesian model with posterior variances.
-        rule: ``"log_alpha"`` (log σ² − log μ² > threshold) or ``"snr"``
+        rule: ``"log_alpha"`` (log σ² − log μ² > threshold), ``"inclusion"`` (LBBNN:
+            α̃ <= threshold, default 0.5, the median probability model) or ``"snr"``
             (|μ| < threshold · σ); ``None`` for the method's default.
         threshold: see :func:`check_rule`.
 
@@ -201,6 +205,14 @@ def pruning_masks(bnn: BayesianModel, rule: str | None = None, threshold: float 
         ValueError: see :func:`check_rule`, or a method without variances (MAP).
     """
     rule, t = check_rule(rule, threshold, _default_rule(bnn))
+    if rule == "inclusion":
+        if not getattr(bnn, "has_inclusion", False):
+            raise ValueError(f"rule='inclusion' needs inclusion variables; method {bnn.method!r} has none "
+                             f"(accepted: 'log_alpha', 'snr', or method 'lbbnn')")
+        with torch.no_grad():
+            probs = bnn.inclusion_probs()
+            return {n: (probs[n] <= t) if n in probs else torch.zeros_like(m, dtype=torch.bool)
+                    for n, m in bnn.mean.items()}
     mean, std = _moments(bnn)
     masks = {}
     for n, m in mean.items():
@@ -249,7 +261,7 @@ def _check_prunable(bnn: BayesianModel) -> None:
         raise ValueError(f"expected a bayeswrap BayesianModel, got {type(bnn).__name__}")
     if not isinstance(bnn, SparsityMixin):
         _moments(bnn)  # MAP and friends: the "no variances" message
-        raise ValueError(f"pruning is implemented for the variational methods 'vi', 'sparse_vd' and "
+        raise ValueError(f"pruning is implemented for the variational methods 'vi', 'lbbnn', 'sparse_vd' and "
                          f"'kingma_vd', not for {bnn.method!r}; bw.sparsity.sparsity(bnn) still reports "
                          "what a rule would prune")
 
@@ -381,7 +393,7 @@ def to_deterministic(bnn: BayesianModel) -> nn.Module:
                          "bnn.posterior_mean() into it")
     net = copy.deepcopy(skeleton)
     with torch.no_grad():
-        values = {**bnn.point.as_dict(), **bnn.frozen.as_dict(), **bnn.posterior_mean()}
+        values = {**bnn.point.as_dict(), **bnn.frozen.as_dict(), **bnn._deterministic_mean()}
         _fill(net, net.named_parameters(remove_duplicate=False), values, parameter=True)
         _fill(net, net.named_buffers(remove_duplicate=False), bnn.model_buffers.as_dict(), parameter=False)
     return net.eval()

@@ -16,6 +16,7 @@ from .sgld import SGLD  # isort: skip
 from .laplace import Laplace  # isort: skip
 from .ivon import IVON  # isort: skip
 from .sparse_vd import KingmaVD, SparseVD  # isort: skip  (issue 6: log-uniform prior, sparsification)
+from .lbbnn import LBBNN  # isort: skip  (issue 12: inclusion variables, local reparameterisation, flows)
 
 _COMMON = ("num_data", "prior_std", "prior_mean", "bias", "params", "likelihood", "noise_std", "kl_weight",
            "chunk_size")

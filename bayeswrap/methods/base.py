@@ -30,6 +30,7 @@ from torch.func import vmap
 from ..functional import NamedTensors, ParamSelector, call, nonfinite_names, select_parameters, split_state
 from ..likelihoods import at_least_float32, make_likelihood
 from ..checks import SCALE_RANGE, check_float, check_int, check_scale
+from ..layers import LRTLayer, find_lrt_layers, lrt_copy
 from ..priors import GaussianPrior
 
 METHODS: dict[str, type[BayesianModel]] = {}
@@ -153,6 +154,7 @@ class BayesianModel(nn.Module, ABC):
         self.model_buffers = NamedTensors(buffers, trainable=False)
         self.prior = GaussianPrior(init, self.prior_std, prior_mean, bias=self._prior_bias(bias))
         self._skeleton = [_storage_free_copy(model)]
+        self._lrt: list[LRTLayer] = []  # set by methods with local reparameterisation (enable_local_reparam)
         self._vmap_ok = True
         self._init_posterior(init)
 
@@ -180,6 +182,10 @@ class BayesianModel(nn.Module, ABC):
     @abstractmethod
     def posterior_std(self) -> dict[str, torch.Tensor]:
         """Marginal standard deviations of q, ``{name: tensor of the parameter's shape}``."""
+
+    def _deterministic_mean(self) -> dict[str, torch.Tensor]:
+        """The weights :func:`bayeswrap.sparsity.to_deterministic` deploys (the posterior mean; LBBNN: the MPM's)."""
+        return self.posterior_mean()
 
     def _point_estimate(self) -> dict[str, torch.Tensor]:
         """The centre of the current training state (used for validation while training)."""
@@ -219,7 +225,52 @@ class BayesianModel(nn.Module, ABC):
     def train(self, mode: bool = True):
         super().train(mode)
         self.model.train(mode)  # the structure's mode decides BatchNorm/dropout behaviour
+        if self._lrt:
+            self._skeleton[1].train(mode)
         return self
+
+    # ------------------------------------------------------------------ layer-level methods
+    #: whether the posterior has inclusion variables (LBBNN), which ``model="mpm"`` predictions need
+    has_inclusion = False
+
+    def enable_local_reparam(self) -> list[LRTLayer]:
+        """Switches supported layers to pre-activation sampling (see :mod:`bayeswrap.layers`).
+
+        Builds a second storage-free copy of the model in which each ``nn.Linear`` /
+        ``nn.Conv2d`` whose weight is Bayesian samples its pre-activations from
+        moments that the method passes as ``theta[name]`` (mean) and
+        ``theta[name + "_var"]`` (variance); see :meth:`forward_with`.
+
+        Returns:
+            The layers that got a local-reparameterisation forward.
+
+        Raises:
+            ValueError: if no Bayesian parameter is the weight of an ``nn.Linear`` or
+                ``nn.Conv2d`` (every other layer type falls back to weight sampling).
+        """
+        layers = find_lrt_layers(self.model, self.bayesian_names)
+        if not layers:
+            raise ValueError(f"local_reparam=True needs an nn.Linear or nn.Conv2d (padding_mode='zeros') whose "
+                             f"weight is Bayesian; the Bayesian parameters {self.bayesian_names[:6]} include none. "
+                             f"Accepted: local_reparam=False, or params= selecting such a layer's weight")
+        self._lrt = layers
+        self._skeleton = [self._skeleton[0], lrt_copy(self._skeleton[0], layers)]
+        self._lrt_var_names = {n for layer in layers for n in (layer.weight_var, layer.bias_var) if n}
+        return layers
+
+    @property
+    def lrt_layers(self) -> list[LRTLayer]:
+        """The layers whose pre-activations are sampled (empty without local reparameterisation)."""
+        return list(self._lrt)
+
+    def _check_predictive_model(self, model: str) -> str:
+        accepted = ("full", "mpm") if self.has_inclusion else ("full",)
+        if model not in accepted:
+            hint = "" if self.has_inclusion else " (the median probability model needs inclusion variables: " \
+                                                 "method 'lbbnn')"
+            raise ValueError(f"model={model!r} is not accepted by method {self.method!r}; accepted: "
+                             f"{', '.join(map(repr, accepted))}{hint}")
+        return model
 
     def param_groups(self, head: Iterable[str] = (), lr_head: float | None = None) -> list[dict]:
         """Optimizer parameter groups: posterior parameters, then point estimates.
@@ -275,14 +326,21 @@ class BayesianModel(nn.Module, ABC):
         """Evaluates the model with Bayesian parameters ``theta`` (point estimates as they are).
 
         Args:
-            theta: ``{name: tensor}`` for every Bayesian parameter.
+            theta: ``{name: tensor}`` for every Bayesian parameter. Under local
+                reparameterisation it may instead hold, for each layer of
+                :attr:`lrt_layers`, the mean of its weight (and bias) under the
+                parameter's name and the variance under ``name + "_var"``: those
+                layers then sample their pre-activations (:mod:`bayeswrap.layers`).
             x: model input, e.g. images of shape (B, C, H, W).
 
         Returns:
             Model outputs, e.g. logits of shape (B, K).
         """
         tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
-        return call(self.model, tensors, self.model_buffers.as_dict(), x)
+        net = self.model
+        if self._lrt and any(n in self._lrt_var_names for n in theta):  # moments: sample pre-activations
+            net = self._skeleton[1]
+        return call(net, tensors, self.model_buffers.as_dict(), x)
 
     def forward(self, x, num_samples: int = 0) -> torch.Tensor:
         """Posterior predictive, see :meth:`predict`."""
@@ -348,7 +406,8 @@ class BayesianModel(nn.Module, ABC):
             out[n] = m + std[n] * eps
         return out
 
-    def sample_logits(self, x, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    def sample_logits(self, x, num_samples: int, generator: torch.Generator | None = None,
+                      model: str = "full") -> torch.Tensor:
         """Model outputs under S posterior samples.
 
         Samples are drawn and evaluated ``chunk_size`` at a time; within a chunk
@@ -360,6 +419,7 @@ class BayesianModel(nn.Module, ABC):
             x: model input with batch size B (a tensor, or a tuple of positional inputs).
             num_samples: S ≥ 1 (an integer; numpy integers and integral floats are accepted).
             generator: optional ``torch.Generator``.
+            model: ``"full"``, or ``"mpm"`` for methods with inclusion variables (see :meth:`predict`).
 
         Returns:
             Tensor of shape (S, B, K) (or (S, B, D) for regression).
@@ -370,17 +430,40 @@ class BayesianModel(nn.Module, ABC):
                 contains NaN or inf.
         """
         num_samples = check_int("num_samples", num_samples, minimum=1)
+        self._check_predictive_model(model)
         self._check_ready()
         check_inputs_finite(x)
+        if model != "full":
+            return self._sample_logits_mpm(x, num_samples, generator)
         return self._sample_logits(x, num_samples, generator)
 
-    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
-        """:meth:`sample_logits` on checked arguments (methods with their own draws override this)."""
+    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None,
+                       sample=None) -> torch.Tensor:
+        """:meth:`sample_logits` on checked arguments (methods with their own draws override this).
+
+        ``sample`` draws the stacked parameters (default :meth:`sample`). Under local
+        reparameterisation the pre-activation noise comes from the global RNG; with a
+        ``generator`` it is seeded from it, so a seeded generator still reproduces the outputs.
+        """
+        sample = sample or self.sample
         outs = []
         for start in range(0, num_samples, self.chunk_size):
-            thetas = self.sample(min(self.chunk_size, num_samples - start), generator=generator)
-            outs.append(self._forward_many(thetas, x))
+            thetas = sample(min(self.chunk_size, num_samples - start), generator=generator)
+            if self._lrt and generator is not None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+                with torch.random.fork_rng(devices=[] if x_device(x).type == "cpu" else [x_device(x)]):
+                    torch.manual_seed(seed)
+                    outs.append(self._forward_many(thetas, x))
+            else:
+                outs.append(self._forward_many(thetas, x))
         return torch.cat(outs, 0)
+
+    def _sample_logits_mpm(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
+        raise NotImplementedError  # only methods with inclusion variables (has_inclusion) get here
+
+    def mpm_mean(self) -> dict[str, torch.Tensor]:
+        """The mean of the median probability model (methods with inclusion variables)."""
+        raise NotImplementedError
 
     def _forward_many(self, thetas: dict[str, torch.Tensor], x) -> torch.Tensor:
         """Outputs under each of the stacked samples ``thetas`` ({name: (S, *shape)}), (S, B, ...).
@@ -415,7 +498,7 @@ class BayesianModel(nn.Module, ABC):
         return out
 
     @torch.no_grad()
-    def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None):
+    def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None, model: str = "full"):
         """Posterior predictive p(y|x, D) ≈ (1/S) Σ_s p(y|x, θ_s) (BayesDLL eqs. 5 and 9).
 
         Args:
@@ -423,6 +506,10 @@ class BayesianModel(nn.Module, ABC):
             num_samples: S. ``0`` uses the posterior mean instead of samples
                 (BayesDLL's ``nst=0``).
             generator: optional ``torch.Generator`` for reproducible samples.
+            model: ``"full"`` (full Bayesian model averaging) or, for methods with
+                inclusion variables (``"lbbnn"``), ``"mpm"``: the median probability
+                model, the weights with inclusion probability > 0.5 (Barbieri &
+                Berger 2004).
 
         Returns:
             Categorical likelihood: probabilities of shape (B, K) (float32, or float64 for a float64 model),
@@ -439,8 +526,12 @@ class BayesianModel(nn.Module, ABC):
             TypeError: if the model does not return a tensor.
         """
         num_samples = check_int("num_samples", num_samples, minimum=0)
+        self._check_predictive_model(model)
         self._check_ready()
         check_inputs_finite(x)
+        if model != "full":
+            return self._predictive(self.sample_logits(x, max(num_samples, 1), generator, model=model)
+                                    if num_samples else self.forward_with(self.mpm_mean(), x).unsqueeze(0))
         if num_samples == 0:
             outs = self.forward_with(self.posterior_mean(), x).unsqueeze(0)
         else:
@@ -592,3 +683,10 @@ def check_inputs_finite(x, name: str = "x") -> None:
             count = int((~torch.isfinite(t)).sum())
             raise ValueError(f"{label} (shape {tuple(t.shape)}) contains {count} non-finite values (NaN or inf); "
                              "accepted: finite inputs")
+
+
+def x_device(x) -> torch.device:
+    """The device of a model input (a tensor, or the first tensor of a tuple of inputs)."""
+    if isinstance(x, torch.Tensor):
+        return x.device
+    return next(t.device for t in x if isinstance(t, torch.Tensor))

@@ -51,6 +51,7 @@ import math
 import torch
 
 from ..functional import NamedTensors
+from ..layers import lrt_names, lrt_theta
 from ..fused import mean_field_sample, standard_normal_like
 from ..sparsity import SparsityMixin
 from .base import BayesianModel, check_int, check_scale, register_method
@@ -81,10 +82,17 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
         fused: draw the sample and the KL with the fused multi-tensor kernel
             and closed-form gradients (:func:`bayeswrap.fused.mean_field_sample`);
             False uses the plain autograd reference. Same values and gradients.
+        local_reparam: sample the pre-activations of every ``nn.Linear`` / ``nn.Conv2d``
+            whose weight is Bayesian instead of its weights (the local
+            reparameterisation trick, Kingma, Salimans & Welling 2015, §2.3; see
+            :mod:`bayeswrap.layers`): the same predictive distribution per example,
+            with lower-variance gradients. Other Bayesian parameters (and layer
+            types without LRT support) keep weight sampling.
 
     Raises:
         ValueError: for ``init_std`` outside [1e-18, 1e18] (float32 must hold s₀², 1/s₀² and
-            log s₀) or ``num_train_samples`` not an integer ≥ 1, besides the errors of
+            log s₀), ``num_train_samples`` not an integer ≥ 1, or ``local_reparam=True``
+            with no Bayesian ``nn.Linear``/``nn.Conv2d`` weight, besides the errors of
             :class:`~bayeswrap.BayesianModel`.
 
     Attributes:
@@ -93,11 +101,18 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
         log_std_scale: κ = sqrt(c num_data / (2 kl_weight)), fixed at construction.
     """
 
-    def __init__(self, model, *, init_std: float = 1e-3, num_train_samples: int = 1, fused: bool = True, **kwargs):
+    def __init__(self, model, *, init_std: float = 1e-3, num_train_samples: int = 1, fused: bool = True,
+                 local_reparam: bool = False, **kwargs):
         self.init_std = check_scale("init_std", init_std)
         self.fused = bool(fused)
         self.num_train_samples = check_int("num_train_samples", num_train_samples, minimum=1)
+        if not isinstance(local_reparam, bool):
+            raise ValueError(f"local_reparam={local_reparam!r} is not accepted; accepted: True, False")
         super().__init__(model, **kwargs)
+        self.local_reparam = local_reparam
+        if local_reparam:
+            self.enable_local_reparam()
+            self._lrt_set = lrt_names(self._lrt)
 
     def _init_posterior(self, init):
         self.log_std_scale = log_std_scale(self.num_data, self.kl_weight)
@@ -105,14 +120,40 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
         rho0 = math.log(self.init_std) / self.log_std_scale
         self.rho = NamedTensors({n: torch.full_like(t, rho0) for n, t in init.items()}, trainable=True)
 
+    def _lrt_theta(self, num_samples: int | None = None, generator=None) -> dict[str, torch.Tensor]:
+        """Moments (m, s²) of the LRT layers and weight samples of every other Bayesian parameter.
+
+        With ``num_samples`` the moments are expanded (no copy) to a leading S axis
+        and the other parameters get S draws.
+        """
+        mean, std = self.posterior_mean(), self.posterior_std()
+        var = {n: std[n].square() for n in self._lrt_set}
+        others = {n: m for n, m in mean.items() if n not in self._lrt_set}
+        if num_samples is None:
+            sampled = {n: m + std[n] * torch.randn_like(m) for n, m in others.items()}
+            return lrt_theta(self._lrt, mean, var, sampled)
+        sampled = {n: m + std[n] * torch.randn((num_samples, *m.shape), generator=generator, device=m.device,
+                                               dtype=m.dtype) for n, m in others.items()}
+        expand = {n: t.expand(num_samples, *t.shape) for n, t in mean.items() if n in self._lrt_set}
+        return lrt_theta(self._lrt, expand, {n: t.expand(num_samples, *t.shape) for n, t in var.items()}, sampled)
+
+    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """S draws of θ; under local reparameterisation, the LRT layers' moments instead of their weights."""
+        if not self.local_reparam:
+            return super().sample(num_samples, generator)
+        num_samples = check_int("num_samples", num_samples, minimum=1)
+        return self._lrt_theta(num_samples, generator)
+
     def _train_sample(self):
+        if self.local_reparam:
+            return self._lrt_theta()
         means = self.mean.values()
         eps = standard_normal_like(means)
         std = self.posterior_std()
         return {n: m + std[n] * e for n, m, e in zip(self.mean.keys(), means, eps)}
 
     def _sample_and_regularizer(self):
-        if not self.fused:
+        if not self.fused or self.local_reparam:
             return super()._sample_and_regularizer()
         names = self.mean.keys()
         prior_idx = [i for i, n in enumerate(names) if self.prior.applies_to(n)]

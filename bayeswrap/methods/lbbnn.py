@@ -1,0 +1,346 @@
+"""Latent binary Bayesian neural networks (LBBNN), with local reparameterisation and normalizing flows.
+
+Skaaret-Lund, Storvik & Hubin 2023, "Sparsifying Bayesian neural networks with
+latent binary variables and normalizing flows" (arXiv 2305.03395); Hubin &
+Storvik 2019 for the weight-sampling LBBNN.
+
+Every Bayesian weight w (every Bayesian parameter that is not a ``*.bias``) has
+an inclusion variable γ:
+
+* prior: p(w | γ) = γ N(θ̄, σ_p²) + (1 − γ) δ₀, γ ~ Bernoulli(α_p) (``prior_std`` σ_p,
+  ``prior_inclusion`` α_p, the prior mean θ̄ of :class:`~bayeswrap.BayesianModel`,
+  zero in the paper);
+* posterior: q(w | γ) = γ N(μ̃, σ̃²), q(γ) = Bernoulli(α̃), α̃ = sigmoid(λ), σ̃ = softplus(ρ).
+
+Biases are Gaussian, q = N(μ̃, σ̃²) against N(θ̄, σ_p²) (no inclusion variable).
+
+**Training forward.** For ``nn.Linear`` / ``nn.Conv2d`` layers whose weight is
+Bayesian (:mod:`bayeswrap.layers`), pre-activations are sampled from their
+moments (eqs. 5–6 of the paper): E[h] = b + Σ x α̃ μ̃ and
+Var[h] = σ_b² + Σ x² α̃(σ̃² + (1 − α̃) μ̃²) ("LBBNN-LRT"). Every other Bayesian
+weight is sampled whole, w = γ (μ̃ + σ̃ ε), with γ a relaxed Bernoulli sample
+(Maddison et al. 2017; ``temperature``) in training and an exact Bernoulli draw
+for predictions; ``local_reparam=False`` does this for every layer (the
+weight-sampling "LBBNN" of Table 1).
+
+**Flows** (``flow_length > 0``, "LBBNN-FLOW", MNF of Louizos & Welling 2017): each
+LRT layer has a multiplicative z (one per input neuron of a Linear layer, one per
+output channel of a Conv2d layer) from an IAF of ``flow_length`` MADE steps
+(:class:`bayeswrap.flows.MultiplicativeFlow`); μ̃ becomes μ̃ z in both moments and
+in the KL, which gains log q(z) − log r(z | W) with MNF's auxiliary inverse model
+(eqs. 9–10, hardtanh). The same z serves the forward pass and the KL of a step
+(the paper's script draws a fresh z for the KL).
+
+**KL per weight, closed form** (eq. 8):
+α̃ (log σ_p/σ̃ + log α̃/α_p − ½ + (σ̃² + (μ̃ − θ̄)²)/(2σ_p²)) + (1 − α̃) log((1 − α̃)/(1 − α_p)).
+
+**Prediction.** ``predict(x, S, model="full")`` averages over structures and
+weights (LRT sampling, or Bernoulli γ draws for weight-sampled layers);
+``model="mpm"`` is the median probability model: weights with α̃ > 0.5 only,
+w ~ N(μ̃ z, σ̃²). :meth:`LBBNN.density` is the fraction of weights with α̃ > 0.5,
+and :meth:`~LBBNN.prune` / :meth:`~LBBNN.to_deterministic` (from
+:mod:`bayeswrap.sparsity`) follow the MPM.
+
+σ̃ = softplus(ρ) as in the paper, whose models train with Adam; under plain SGD
+the tiny initial σ̃ (ρ = −9) moves slowly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..checks import check_float, check_int
+from ..functional import NamedTensors, is_bias
+from ..layers import lrt_names, lrt_theta
+from ..sparsity import PRUNED_RHO, SparsityMixin
+from .base import BayesianModel, register_method
+
+#: λ of a weight the MPM keeps / drops after :meth:`LBBNN.prune` (sigmoid(±1e4) is exactly 1 / 0 in float32)
+INCLUDED_LOGIT = 1.0e4
+
+
+@register_method("lbbnn")
+class LBBNN(SparsityMixin, BayesianModel):
+    """A latent binary Bayesian neural network over the Bayesian parameters.
+
+    Takes the arguments of :class:`~bayeswrap.BayesianModel` (``prior_std`` is σ_p)
+    plus:
+
+    Args:
+        prior_inclusion: α_p, the prior inclusion probability, in (0, 1). Default 0.10;
+            the paper's two code bases use 0.05–0.10.
+        flow_length: IAF steps of the multiplicative flow per LRT layer (integer ≥ 0);
+            0 is "LBBNN-LRT", 2 the paper's "LBBNN-FLOW". Needs ``local_reparam=True``.
+        local_reparam: sample pre-activations of the Bayesian ``nn.Linear`` /
+            ``nn.Conv2d`` layers (True, default) or sample every weight (False).
+        init_inclusion_logit: (low, high): λ starts uniform in this range (the
+            issue's U(−10, 15)); α̃ = sigmoid(λ).
+        init_rho: ρ of σ̃ = softplus(ρ) at the start (the paper's −9: σ̃ ≈ 1.2e-4).
+        temperature: τ of the relaxed Bernoulli γ of weight-sampled layers in
+            training (Maddison et al. 2017), > 0.
+        num_train_samples: Monte Carlo samples per training step (integer ≥ 1).
+        flow_hidden: hidden widths of each MADE (default (250, 250), as the paper's code).
+
+    Raises:
+        ValueError: ``prior_inclusion`` outside (0, 1), a negative or non-integer
+            ``flow_length``, ``flow_length > 0`` without ``local_reparam``,
+            ``local_reparam=True`` with no Bayesian Linear/Conv2d weight, or a bad
+            ``init_inclusion_logit``/``init_rho``/``temperature``; besides the errors of
+            :class:`~bayeswrap.BayesianModel`.
+
+    Attributes:
+        mean, rho: μ̃ and ρ of every Bayesian parameter, ``{name: Parameter}``.
+        logit: λ of every weight with an inclusion variable, ``{name: Parameter}``.
+        flows: ``{layer path: MultiplicativeFlow}`` (flows only).
+    """
+
+    has_inclusion = True
+    default_sparsity_rule = "inclusion"
+
+    def __init__(self, model, *, prior_inclusion: float = 0.10, flow_length: int = 0, local_reparam: bool = True,
+                 init_inclusion_logit: tuple[float, float] = (-10.0, 15.0), init_rho: float = -9.0,
+                 temperature: float = 0.5, num_train_samples: int = 1, flow_hidden: tuple[int, ...] = (250, 250),
+                 **kwargs):
+        self.prior_inclusion = check_float("prior_inclusion", prior_inclusion, low=0.0, high=1.0, low_open=True,
+                                           high_open=True, note="α_p, the prior inclusion probability")
+        self.flow_length = check_int("flow_length", flow_length, minimum=0, note="IAF steps per layer")
+        if not isinstance(local_reparam, bool):
+            raise ValueError(f"local_reparam={local_reparam!r} is not accepted; accepted: True, False")
+        if self.flow_length and not local_reparam:
+            raise ValueError(f"flow_length={flow_length} needs local_reparam=True (the flow multiplies the "
+                             f"pre-activation moments); accepted: flow_length=0 with local_reparam=False")
+        if not (isinstance(init_inclusion_logit, (tuple, list)) and len(init_inclusion_logit) == 2):
+            raise ValueError(f"init_inclusion_logit={init_inclusion_logit!r} is not accepted; accepted: a pair "
+                             f"(low, high) of finite numbers, low <= high")
+        low = check_float("init_inclusion_logit[0]", init_inclusion_logit[0])
+        high = check_float("init_inclusion_logit[1]", init_inclusion_logit[1], low=low)
+        self.init_inclusion_logit = (low, high)
+        self.init_rho = check_float("init_rho", init_rho, low=-80.0, high=80.0)
+        self.temperature = check_float("temperature", temperature, low=0.0, low_open=True)
+        self.num_train_samples = check_int("num_train_samples", num_train_samples, minimum=1)
+        self.flow_hidden = tuple(check_int("flow_hidden", h, minimum=1) for h in flow_hidden)
+        self.local_reparam = local_reparam
+        super().__init__(model, **kwargs)
+        self._lrt_set: set[str] = set()
+        if local_reparam:
+            self.enable_local_reparam()
+            self._lrt_set = lrt_names(self._lrt)
+        self.flows = torch.nn.ModuleDict()
+        if self.flow_length:
+            from ..flows import MultiplicativeFlow
+
+            for i, layer in enumerate(self._lrt):
+                dim = layer.weight_shape[1] if layer.kind == "linear" else layer.weight_shape[0]
+                self.flows[layer.path.replace(".", "/")] = MultiplicativeFlow(
+                    dim, self.flow_length, hidden_sizes=self.flow_hidden, seed=2 * self.flow_length * i)
+
+    # ------------------------------------------------------------------ posterior parameters
+    def _init_posterior(self, init):
+        self.mean = NamedTensors(init, trainable=True)
+        self.rho = NamedTensors({n: torch.full_like(t, self.init_rho) for n, t in init.items()}, trainable=True)
+        low, high = self.init_inclusion_logit
+        self.logit = NamedTensors({n: torch.empty_like(t).uniform_(low, high) for n, t in init.items()
+                                   if not is_bias(n)}, trainable=True)
+
+    def inclusion_probs(self) -> dict[str, torch.Tensor]:
+        """α̃ = sigmoid(λ) of every weight with an inclusion variable, ``{name: tensor of its shape}``."""
+        return {n: torch.sigmoid(t) for n, t in self.logit.items()}
+
+    def density(self, threshold: float = 0.5) -> float:
+        """The fraction of weights (with an inclusion variable) whose α̃ exceeds ``threshold`` (the MPM's density).
+
+        Raises:
+            ValueError: for a threshold outside [0, 1).
+        """
+        t = check_float("threshold", threshold, low=0.0, high=1.0, high_open=True)
+        with torch.no_grad():
+            kept = sum(int((torch.sigmoid(lam) > t).sum()) for lam in self.logit.values())
+            total = sum(lam.numel() for lam in self.logit.values())
+        return kept / total if total else 1.0
+
+    def _sigma(self) -> dict[str, torch.Tensor]:
+        return {n: F.softplus(r) for n, r in self.rho.items()}
+
+    # ------------------------------------------------------------------ flows
+    def _z(self, sample: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``{layer path: z}`` (a flow sample, or the flow at the base mean) and Σ log q(z)."""
+        zs, log_q = {}, None
+        for layer in self._lrt if self.flow_length else ():
+            flow = self.flows[layer.path.replace(".", "/")]
+            if sample:
+                z, lq = flow.sample()
+                log_q = lq if log_q is None else log_q + lq
+            else:
+                z = flow.q_flow(flow.mu0)[0]
+            zs[layer.path] = z
+        return zs, log_q
+
+    def _scaled_means(self, zs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """μ̃, with μ̃ z for the weights of flow layers (z per input neuron / output channel)."""
+        means = self.mean.as_dict()
+        for layer in self._lrt if zs else ():
+            z = zs[layer.path]
+            shape = (1, -1) if layer.kind == "linear" else (-1, 1, 1, 1)
+            means[layer.weight] = means[layer.weight] * z.reshape(shape)
+        return means
+
+    # ------------------------------------------------------------------ training
+    def _moments(self, means, sigma, alpha) -> tuple[dict, dict]:
+        """Mean and variance of the LRT layers' weights (α μ, α(σ² + (1 − α) μ²)) and Bayesian biases."""
+        mean, var = {}, {}
+        for n in self._lrt_set:
+            if n in alpha:
+                a = alpha[n]
+                mean[n] = a * means[n]
+                var[n] = a * (sigma[n].square() + (1 - a) * means[n].square())
+            else:
+                mean[n], var[n] = means[n], sigma[n].square()
+        return mean, var
+
+    def _whole(self, means, sigma, gamma) -> dict[str, torch.Tensor]:
+        """Weight samples γ (μ + σ ε) of the parameters outside the LRT layers (γ = 1 for biases)."""
+        out = {}
+        for n, m in means.items():
+            if n in self._lrt_set:
+                continue
+            w = m + sigma[n] * torch.randn_like(m)
+            out[n] = w * gamma[n] if n in gamma else w
+        return out
+
+    def _relaxed_gamma(self) -> dict[str, torch.Tensor]:
+        """Relaxed Bernoulli γ = sigmoid((λ + log u − log(1 − u))/τ) of the weight-sampled weights."""
+        out = {}
+        for n, lam in self.logit.items():
+            if n in self._lrt_set:
+                continue
+            u = torch.rand_like(lam).clamp(1e-6, 1 - 1e-6)
+            out[n] = torch.sigmoid((lam + torch.log(u) - torch.log1p(-u)) / self.temperature)
+        return out
+
+    def _train_theta(self):
+        zs, log_q = self._z(sample=True)
+        means, sigma, alpha = self._scaled_means(zs), self._sigma(), self.inclusion_probs()
+        mean, var = self._moments(means, sigma, alpha)
+        theta = lrt_theta(self._lrt, mean, var, self._whole(means, sigma, self._relaxed_gamma()))
+        return theta, zs, log_q, means, sigma, alpha, mean, var
+
+    def _train_sample(self):
+        return self._train_theta()[0]
+
+    def _sample_and_regularizer(self):
+        theta, zs, log_q, means, sigma, alpha, mean, var = self._train_theta()
+        kl = self._kl(means, sigma, alpha)
+        if zs:
+            log_r = sum(self.flows[layer.path.replace(".", "/")].log_r(zs[layer.path], *self._r_inputs(layer, mean, var))
+                        for layer in self._lrt)
+            kl = kl + log_q - log_r
+        return theta, kl
+
+    @staticmethod
+    def _r_inputs(layer, mean, var):
+        """The layer's weight moments as (z_dim, O) matrices for r(z | W)."""
+        m, v = mean[layer.weight], var[layer.weight]
+        if layer.kind == "linear":
+            return m.t(), v.t()
+        return m.reshape(m.shape[0], -1), v.reshape(v.shape[0], -1)
+
+    def _kl(self, means, sigma, alpha) -> torch.Tensor:
+        """Σ of the closed-form KL per weight (eq. 8) and the Gaussian KL of the biases, in nats."""
+        total = None
+        sp, ap = self.prior_std, self.prior_inclusion
+        for n, m in means.items():
+            if not self.prior.applies_to(n):
+                continue
+            s = sigma[n]
+            gauss = math.log(sp) - torch.log(s) - 0.5 + (s.square() + (m - self.prior.mean[n]).square()) / (2 * sp**2)
+            if n in alpha:
+                a = alpha[n]
+                lam = self.logit[n]
+                log_a, log_1ma = F.logsigmoid(lam), F.logsigmoid(-lam)
+                included = a * (gauss + log_a - math.log(ap))
+                term = torch.where(a > 0, included, torch.zeros_like(included)) \
+                    + (1 - a) * (log_1ma - math.log1p(-ap))  # a pruned weight (α̃ = 0, σ̃ = 0) adds no slab term
+            else:
+                term = gauss
+            term = term.sum()
+            total = term if total is None else total + term
+        return total if total is not None else torch.zeros((), device=self.mean.values()[0].device)
+
+    def regularizer(self) -> torch.Tensor:
+        """KL(q || p) in nats: eq. 8 per weight, Gaussian for biases, and log q(z) − log r(z | W) with flows
+        (a one-sample estimate with a fresh z)."""
+        return self._sample_and_regularizer()[1]
+
+    # ------------------------------------------------------------------ posterior summaries
+    def posterior_mean(self) -> dict[str, torch.Tensor]:
+        """E_q[w] = α̃ μ̃ z̄ (z̄: the flow at its base mean; 1 without flows), μ̃ for biases."""
+        zs, _ = self._z(sample=False)
+        means, alpha = self._scaled_means(zs), self.inclusion_probs()
+        return {n: alpha[n] * m if n in alpha else m for n, m in means.items()}
+
+    def mpm_mean(self) -> dict[str, torch.Tensor]:
+        """The median probability model's weights: μ̃ z̄ where α̃ > 0.5, else 0; μ̃ for biases."""
+        zs, _ = self._z(sample=False)
+        means, alpha = self._scaled_means(zs), self.inclusion_probs()
+        return {n: (alpha[n] > 0.5).to(m.dtype) * m if n in alpha else m for n, m in means.items()}
+
+    def _deterministic_mean(self) -> dict[str, torch.Tensor]:
+        return self.mpm_mean()
+
+    def posterior_std(self) -> dict[str, torch.Tensor]:
+        """Marginal std of q(w): sqrt(α̃(σ̃² + (1 − α̃) μ̃² z̄²)), σ̃ for biases."""
+        zs, _ = self._z(sample=False)
+        means, sigma, alpha = self._scaled_means(zs), self._sigma(), self.inclusion_probs()
+        return {n: torch.sqrt(alpha[n] * (sigma[n].square() + (1 - alpha[n]) * m.square())) if n in alpha
+                else sigma[n] for n, m in means.items()}
+
+    # ------------------------------------------------------------------ predictive samples
+    def _draw(self, num_samples: int, generator, mpm: bool) -> dict[str, torch.Tensor]:
+        """S stacked draws: LRT-layer moments (with a z per draw) and whole-weight samples of the rest."""
+        sigma, alpha = self._sigma(), self.inclusion_probs()
+        if mpm:
+            alpha = {n: (a > 0.5).to(a.dtype) for n, a in alpha.items()}
+        draws = []
+        for _ in range(num_samples if self.flow_length else 1):  # without flows the moments are shared
+            zs, _ = self._z(sample=True)
+            means = self._scaled_means(zs)
+            draws.append(self._moments(means, sigma, alpha))
+        mean = {n: torch.stack([d[0][n] for d in draws]) for n in self._lrt_set}
+        var = {n: torch.stack([d[1][n] for d in draws]) for n in self._lrt_set}
+        if not self.flow_length:
+            mean = {n: t.expand(num_samples, *t.shape[1:]) for n, t in mean.items()}
+            var = {n: t.expand(num_samples, *t.shape[1:]) for n, t in var.items()}
+        whole = {}
+        for n, m in self.mean.items():
+            if n in self._lrt_set:
+                continue
+            eps = torch.randn((num_samples, *m.shape), generator=generator, device=m.device, dtype=m.dtype)
+            w = m + sigma[n] * eps
+            if n in alpha:
+                p = alpha[n].expand(num_samples, *m.shape)
+                w = w * (p if mpm else torch.bernoulli(p, generator=generator))
+            whole[n] = w
+        return lrt_theta(self._lrt, mean, var, whole)
+
+    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """S draws for the full model: moments of the LRT layers, γ (μ̃ + σ̃ ε) with γ ~ Bernoulli(α̃) elsewhere."""
+        num_samples = check_int("num_samples", num_samples, minimum=1)
+        return self._draw(num_samples, generator, mpm=False)
+
+    def _sample_logits_mpm(self, x, num_samples: int, generator) -> torch.Tensor:
+        return self._sample_logits(x, num_samples, generator,
+                                   sample=lambda s, generator=None: self._draw(s, generator, mpm=True))
+
+    # ------------------------------------------------------------------ pruning (the MPM)
+    def _apply_prune(self, masks: dict[str, torch.Tensor]) -> None:
+        """Pruned weights: μ̃ = 0, σ̃ = 0, α̃ = 0; every other weight with an inclusion variable gets α̃ = 1,
+        so that the full model becomes the MPM."""
+        for n, m in masks.items():
+            self.mean[n].data.masked_fill_(m, 0.0)
+            self.rho[n].data.masked_fill_(m, PRUNED_RHO)
+            if n in self.logit:
+                lam = self.logit[n].data
+                lam.copy_(torch.where(m, torch.full_like(lam, -INCLUDED_LOGIT), torch.full_like(lam, INCLUDED_LOGIT)))
