@@ -23,7 +23,7 @@ from .methods import (
     method_options,
     wrap,
 )
-from . import calibration, evaluation, samples, schedules, sparsity, tuning, uncertainty  # isort: skip  (after .methods: sparsity imports methods.base)
+from . import calibration, diagnostics, evaluation, samples, schedules, sparsity, tuning, uncertainty  # isort: skip  (after .methods: sparsity imports methods.base)
 from .schedules import KLSchedule  # isort: skip
 from .predictive import evaluate, predict_loader, sample_probs_loader
 from .runs import load_run
@@ -33,4 +33,4 @@ __version__ = "0.1.0"
 
 __all__ = ["wrap", "fit", "evaluate", "predict_loader", "sample_probs_loader", "BayesianModel", "LossOutput", "NotFittedError", "METHODS",
            "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "IVON", "SparseVD", "KingmaVD", "optim", "schedules", "KLSchedule",
-           "sparsity", "calibration", "evaluation", "uncertainty", "samples", "tuning", "load_run", "__version__"]
+           "sparsity", "calibration", "diagnostics", "evaluation", "uncertainty", "samples", "tuning", "load_run", "__version__"]

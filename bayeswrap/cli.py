@@ -106,7 +106,8 @@ def _write_plots(run_dir: Path, report: dict, arrays: dict, history: list[dict],
         fit_result = calibration.fit_temperature(arrays["val"][0].double().clamp_min(1e-300).log(), arrays["val"][1],
                                                  return_history=True)
         plots.temperature_curve(fit_result, run_dir / "temperature_curve.png")
-    plots.training_curves(history, run_dir / "training_curves.png")
+    if history:  # samplers have no epochs
+        plots.training_curves(history, run_dir / "training_curves.png")
     _write_uncertainty_plots(run_dir, {cfg.method: report}, temperature_scaled=cfg.method)
 
 
@@ -219,14 +220,15 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
     """
     sample_counts = sample_counts or [cfg.num_samples]
     splits, ood_test, bnn, head, device = build(cfg)  # all input is checked before anything is written
-    optimizer = make_optimizer(cfg, bnn, head)
+    sampler = bnn.not_trained_by_fit() is not None  # full-batch MCMC: run_chains instead of fit
+    optimizer = None if sampler else make_optimizer(cfg, bnn, head)
     run_dir = Path(cfg.out_dir) / cfg.name
     lock = runs.open_existing(run_dir) if resume else runs.open_new(cfg.out_dir, cfg.name, overwrite=cfg.overwrite)
     command = resume_command or f"bayeswrap fit --resume {run_dir}"
     handler = None
     try:
         ckpt = None
-        if resume and (run_dir / "last.pt").is_file():
+        if resume and (run_dir / "last.pt").is_file() and not sampler:
             ckpt = _restore(run_dir / "last.pt", bnn, optimizer, cfg)
         elif resume:  # killed before its first checkpoint: start again in the same folder
             runs.clear(run_dir)
@@ -306,8 +308,36 @@ def _tune_prior_precision(bnn, splits, cfg: RunConfig, tuning: dict, num_samples
             "chosen_index": grid.index(chosen)}
 
 
+def _sample_and_report(cfg, run_dir, splits, ood_test, bnn, device, sample_counts) -> dict:
+    """A full-batch sampler's run: chains on the whole training set, then the same reports as a fitted run."""
+    loader = _eval_loader(splits.train, cfg)
+    x = torch.cat([b[0] for b in loader])
+    y = torch.cat([b[1] for b in loader])
+    log.info("config: %s", cfg.to_dict())
+    stats = bnn.run_chains(x, y, num_samples=cfg.chain_samples, num_warmup=cfg.num_warmup,
+                           num_chains=cfg.num_chains, thinning=cfg.thinning,
+                           generator=torch.Generator(device=device).manual_seed(cfg.seed))
+    save_checkpoint(run_dir / "best.pt", bnn.state_dict())
+    diagnostics = bnn.diagnostics()
+    log.info("%s: %s", cfg.method, diagnostics["summary"])
+    draws = bnn.chain_draws()
+    plots.trace_plot(draws, run_dir / "trace.png", title=f"{cfg.method}: trace of the kept draws")
+    plots.rank_plot(draws, run_dir / "rank.png", title=f"{cfg.method}: rank plots (flat = well mixed)")
+    reports = {}
+    for s in sample_counts:
+        report, arrays = final_reports(bnn, splits, ood_test, cfg, s, device)
+        reports[str(s)] = report
+        if s == sample_counts[-1]:
+            _write_plots(run_dir, report, arrays, [], cfg)
+    metrics = {"history": [], "best_epoch": None, "final": reports, "mcmc": {**stats, "diagnostics": diagnostics}}
+    write_json(run_dir / "metrics.json", metrics)
+    return metrics
+
+
 def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sample_counts, tuning=None,
                       ckpt=None, changes=None):
+    if optimizer is None:
+        return _sample_and_report(cfg, run_dir, splits, ood_test, bnn, device, sample_counts)
     train_loader = EpochLoader(splits.train, cfg.batch_size, cfg.seed, cfg.num_workers)
     val_loader = _eval_loader(splits.val, cfg) if len(splits.val) else None
     test_loader = _eval_loader(splits.test, cfg)

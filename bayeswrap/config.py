@@ -90,6 +90,9 @@ class RunConfig:
                           "2 = LBBNN-FLOW)")
     local_reparam: bool = _f(False, "vi, lbbnn: sample the pre-activations of Bayesian Linear/Conv2d layers (local "
                              "reparameterisation; lbbnn's built-in default is true)")
+    num_chains: int = _f(4, "hmc, mh: chains run in lockstep on the full training set")
+    num_warmup: int = _f(500, "hmc, mh: warm-up (adaptation) iterations per chain, not kept")
+    chain_samples: int = _f(1000, "hmc, mh: iterations per chain after warm-up (every thinning-th is kept)")
     curvature: str = _f("ggn", "laplace: ggn (exact diagonal generalised Gauss-Newton), fisher (Monte Carlo GGN) "
                         "or empirical_fisher")
     pred_type: str = _f("glm", "laplace: glm (linearised predictive, Immer et al. 2021) or nn (sampled network)")
@@ -262,6 +265,9 @@ RANGES: dict[str, tuple[Any, str]] = {
     "noise_scale": (lambda v: v >= 0, "a finite number >= 0"),
     "exploration": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
     "prior_inclusion": (lambda v: 0 < v < 1, "a number in (0, 1)"),
+    "num_chains": (lambda v: v >= 1, "an integer >= 1"),
+    "num_warmup": (lambda v: v >= 0, "an integer >= 0"),
+    "chain_samples": (lambda v: v >= 1, "an integer >= 1"),
     "flow_length": (lambda v: v >= 0, "an integer >= 0"),
 }
 #: options a resumed run may change: they do not touch the data, the split, the model or the method
@@ -370,6 +376,9 @@ def method_fields() -> dict[str, tuple[str, ...]]:
             if option in FIELDS:
                 users.setdefault(option, []).append(method)
     users.setdefault("noise_scale", []).append("sgld")  # an option of SGLD's optimizer
+    for option in ("num_warmup", "chain_samples"):  # options of run_chains
+        users.setdefault(option, []).extend(["mh", "hmc"])
+    users.setdefault("thinning", []).extend(["mh", "hmc"])
     return {k: tuple(v) for k, v in users.items()}
 
 

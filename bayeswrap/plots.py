@@ -19,7 +19,7 @@ from .evaluation import calibration as cal
 from .io import atomic_write
 
 __all__ = ["reliability_diagram", "temperature_curve", "training_curves", "reliability_grid", "shift_curves",
-           "risk_coverage_curves", "gamma_curves", "save_figure"]
+           "risk_coverage_curves", "gamma_curves", "trace_plot", "rank_plot", "save_figure"]
 
 _FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
 
@@ -454,6 +454,80 @@ def gamma_curves(gamma: Mapping[str, Mapping[str, Any] | None], path: str | os.P
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    if path is not None:
+        save_figure(fig, path, dpi=dpi)
+    return fig
+
+
+def _chain_series(draws: Mapping[str, Any], max_series: int) -> list[tuple[str, np.ndarray]]:
+    """Up to ``max_series`` scalar coordinates ``(label, (chains, draws))`` spread over the tensors."""
+    series = []
+    for name, d in draws.items():
+        arr = np.asarray(d.detach().cpu().double() if hasattr(d, "detach") else d, dtype=float)
+        flat = arr.reshape(arr.shape[0], arr.shape[1], -1)
+        for j in np.unique(np.linspace(0, flat.shape[2] - 1, min(2, flat.shape[2])).round().astype(int)):
+            series.append((f"{name}[{j}]", flat[:, :, j]))
+    return series[:max_series]
+
+
+def trace_plot(draws: Mapping[str, Any], path: str | os.PathLike | None = None, *, max_series: int = 6,
+               title: str | None = None, dpi: int = 120):
+    """Trace plots of MCMC draws: one panel per coordinate, one line per chain.
+
+    Args:
+        draws: ``{name: (chains, draws, *shape)}`` (e.g. ``bnn.chain_draws()``); up to two
+            coordinates per tensor (its first and last entry) are shown.
+        path: optional file to write atomically.
+        max_series: most panels.
+
+    Returns:
+        The matplotlib Figure.
+    """
+    series = _chain_series(draws, max_series)
+    fig, axes = _grid(len(series), 2, (5.0, 2.2))
+    for ax, (label, arr) in zip(axes, series):
+        for c, chain in enumerate(arr):
+            ax.plot(chain, lw=0.6, label=f"chain {c}")
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("kept draw")
+    if series:
+        axes[0].legend(fontsize=7)
+    return _save_constrained(fig, path, title, dpi)
+
+
+def rank_plot(draws: Mapping[str, Any], path: str | os.PathLike | None = None, *, max_series: int = 6,
+              bins: int = 20, title: str | None = None, dpi: int = 120):
+    """Rank plots (Vehtari et al. 2021, §4.5): histograms of each chain's ranks among all draws.
+
+    Well-mixed chains give flat histograms; a chain stuck elsewhere piles its
+    ranks at one end.
+
+    Args:
+        draws: ``{name: (chains, draws, *shape)}``.
+        path: optional file to write atomically.
+        max_series: most panels; bins: histogram bins.
+
+    Returns:
+        The matplotlib Figure.
+    """
+    from scipy.stats import rankdata
+
+    series = _chain_series(draws, max_series)
+    fig, axes = _grid(len(series), 2, (5.0, 2.2))
+    for ax, (label, arr) in zip(axes, series):
+        ranks = rankdata(arr.reshape(-1)).reshape(arr.shape)
+        edges = np.linspace(0, ranks.size, bins + 1)
+        for c, r in enumerate(ranks):
+            ax.hist(r, bins=edges, histtype="step", label=f"chain {c}")
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("rank")
+    return _save_constrained(fig, path, title, dpi)
+
+
+def _save_constrained(fig, path, title: str | None, dpi: int):
+    """Title and optional atomic save of a figure laid out by matplotlib's constrained layout."""
     if title:
         fig.suptitle(title)
     if path is not None:

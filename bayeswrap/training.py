@@ -92,6 +92,8 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
     if not isinstance(bnn, BayesianModel):
         raise ValueError(f"bnn must be a bayeswrap BayesianModel (from bw.wrap(model, method, ...)), got "
                          f"{type(bnn).__name__}")
+    if bnn.not_trained_by_fit():
+        raise ValueError(bnn.not_trained_by_fit())
     epochs = check_int("epochs", epochs, minimum=1)
     start_epoch = check_int("start_epoch", start_epoch, minimum=0, maximum=epochs - 1,
                             note=f"the first epoch to train, < epochs={epochs}")

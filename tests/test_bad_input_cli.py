@@ -69,7 +69,7 @@ FLAG_CASES = [
     (["--sample-dtype", "int8"], r"sample_dtype='int8' is not known; accepted: float32, bfloat16"),
     (["--prior-mean", "pretrained"], r"prior_mean='pretrained' is not known; accepted: auto, init, zero"),
     (["--dataset", "mnist"], r"dataset='mnist' is not known; accepted: digits, mnist5k, pets"),
-    (["--method", "hmc"], r"method='hmc' is not known; accepted: map, vi"),
+    (["--method", "nuts"], r"method='nuts' is not known; accepted: map, vi"),
     (["--device", "tpu"], r"device='tpu' is not valid; accepted: auto, cpu, cuda, cuda:N"),
     (["--pretrained", "maybe"], r"pretrained='maybe' is not a boolean; accepted: true, false"),
     (["--overwrite", "2"], r"overwrite='2' is not a boolean"),
@@ -77,7 +77,7 @@ FLAG_CASES = [
     (["--shift-rotations", "0,abc"], r"shift_rotations='0,abc': 'abc' is not valid"),
     (["--ood-classes", "8,x"], r"ood_classes='8,x': 'x' is not valid"),
     (["--per-method", "{vi: {p_drop: 0.3}}"], r"per_method.vi sets p_drop, which method 'vi' does not use; p_drop is an option of mc_dropout"),
-    (["--per-method", "{hmc: {lr: 1}}"], r"per_method: 'hmc' is not a method with an option mapping"),
+    (["--per-method", "{nuts: {lr: 1}}"], r"per_method: 'nuts' is not a method with an option mapping"),
     (["--per-method", "[1, 2]"], r"per_method=\[1, 2\] must be a mapping"),
     (["--per-method", "{vi: {lr: abc}}"], r"lr='abc' is not a number"),
     (["--method", "sgld", "--cycles", "2", "--scheduler", "cosine"],
@@ -172,7 +172,7 @@ def test_bad_init_checkpoint_names_the_file(tmp_path, capsys, kind):
     (["predict", "RUN", "X", "--out", "OUTDIR"], r"--out .* is a folder; accepted: a CSV file path"),
     (["fit", "--resume", "NOT_A_RUN"], r"--resume .*: no config.yaml there"),
     (["compare", "--resume", "NOT_A_RUN"], r"--resume .*: no compare.yaml there"),
-    (["compare", "--methods", "map,hmc", "--out-dir", "OUTDIR"], r"--methods hmc not known; accepted: map"),
+    (["compare", "--methods", "map,nuts", "--out-dir", "OUTDIR"], r"--methods nuts not known; accepted: map"),
     (["compare", "--num-samples", "0,x", "--out-dir", "OUTDIR"], r"--num-samples '0,x' must be comma-separated"),
 ])
 def test_bad_subcommand_arguments(tmp_path, capsys, args, message):

@@ -8,7 +8,7 @@ from torch import nn
 
 import bayeswrap as bw
 
-METHODS = ["map", "vi", "mc_dropout", "sgld", "laplace"]
+METHODS = ["map", "vi", "mc_dropout", "sgld", "laplace", "lbbnn"]
 
 
 def _mlp(out=4):

@@ -17,6 +17,7 @@ from .laplace import Laplace  # isort: skip
 from .ivon import IVON  # isort: skip
 from .sparse_vd import KingmaVD, SparseVD  # isort: skip  (issue 6: log-uniform prior, sparsification)
 from .lbbnn import LBBNN  # isort: skip  (issue 12: inclusion variables, local reparameterisation, flows)
+from .mcmc import HMC, MetropolisHastings  # isort: skip  (issue 13: full-batch samplers)
 
 _COMMON = ("num_data", "prior_std", "prior_mean", "bias", "params", "likelihood", "noise_std", "kl_weight",
            "chunk_size")

@@ -183,6 +183,10 @@ class BayesianModel(nn.Module, ABC):
     def posterior_std(self) -> dict[str, torch.Tensor]:
         """Marginal standard deviations of q, ``{name: tensor of the parameter's shape}``."""
 
+    def not_trained_by_fit(self) -> str | None:
+        """Why :func:`bayeswrap.fit` cannot train this model (full-batch samplers), or None."""
+        return None
+
     def _deterministic_mean(self) -> dict[str, torch.Tensor]:
         """The weights :func:`bayeswrap.sparsity.to_deterministic` deploys (the posterior mean; LBBNN: the MPM's)."""
         return self.posterior_mean()
