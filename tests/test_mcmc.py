@@ -178,3 +178,51 @@ def test_cli_samples_with_mh_and_writes_diagnostics_and_plots(tmp_path):
     loaded = bw.load_run(run)
     assert len(loaded.model.sample_store) == 20
     assert cli.main(["fit", "--method", "hmc", "--num-chains", "0", "--out-dir", str(tmp_path)]) == 2
+
+
+def test_hmc_and_pyro_nuts_agree_on_logistic_regression():
+    pytest.importorskip("pyro", reason="pyro-ppl is not installed: the NUTS comparison is skipped")
+
+    class Logistic(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 1)
+
+        def forward(self, x):
+            z = self.lin(x)
+            return torch.cat([torch.zeros_like(z), z], 1)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(80, 2, generator=g, dtype=torch.float64)
+    y = (torch.rand(80, generator=g, dtype=torch.float64) < torch.sigmoid(x @ torch.tensor([1.5, -1.0],
+                                                                                          dtype=torch.float64) + 0.3)).long()
+    runs = {}
+    for kernel in ("hmc", "nuts"):
+        torch.manual_seed(0)
+        bnn = bw.wrap(Logistic().double(), "hmc", num_data=80, prior_mean="zero", kernel=kernel,
+                      num_leapfrog=8).double()
+        bnn.run_chains(x, y, num_samples=600, num_warmup=300, num_chains=2, generator=torch.Generator().manual_seed(1))
+        d = torch.cat([t.reshape(*t.shape[:2], -1) for t in bnn.chain_draws().values()], -1)  # (chains, draws, 3)
+        runs[kernel] = (d.reshape(-1, 3), diag.ess_bulk(d))
+    (a, ess_a), (b, ess_b) = runs["hmc"], runs["nuts"]
+    se = torch.sqrt(a.var(0) / ess_a + b.var(0) / ess_b)
+    assert torch.all((a.mean(0) - b.mean(0)).abs() < 4 * se), (a.mean(0), b.mean(0), se)
+    ess = torch.minimum(ess_a, ess_b)
+    assert torch.all((a.std(0) / b.std(0) - 1).abs() < 4 * torch.sqrt(1 / ess) + 0.05)
+
+
+def test_nuts_without_pyro_is_a_clear_error(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_pyro(name, *args, **kwargs):
+        if name == "pyro" or name.startswith("pyro."):
+            raise ImportError("No module named 'pyro'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pyro)
+    with pytest.raises(ValueError, match=r"kernel='nuts' needs the pyro-ppl package"):
+        bw.wrap(nn.Linear(2, 2), "hmc", num_data=4, kernel="nuts")
+    with pytest.raises(ValueError, match=r"kernel='slice' is not known; accepted: 'hmc'"):
+        bw.wrap(nn.Linear(2, 2), "hmc", num_data=4, kernel="slice")

@@ -406,10 +406,24 @@ class HMC(FullBatchMCMC):
         init_step_size: the first step size (> 0); refined by Hoffman & Gelman's
             Algorithm 4 heuristic before warm-up.
         adapt_mass: adapt the diagonal inverse mass matrix in warm-up windows.
+        kernel: ``"hmc"`` (this module's sampler) or ``"nuts"``: the No-U-Turn
+            sampler of the optional ``pyro-ppl`` package (Hoffman & Gelman 2014,
+            Algorithm 6, through its ``potential_fn`` interface), one chain after another,
+            with its own step-size and diagonal mass adaptation.
     """
 
     def __init__(self, model, *, num_leapfrog: int = 16, target_accept: float = 0.8, init_step_size: float = 0.1,
-                 adapt_mass: bool = True, **kwargs):
+                 adapt_mass: bool = True, kernel: str = "hmc", **kwargs):
+        if kernel not in ("hmc", "nuts"):
+            raise ValueError(f"kernel={kernel!r} is not known; accepted: 'hmc' (bayeswrap's), 'nuts' (pyro-ppl's "
+                             f"NUTS, pip install pyro-ppl)")
+        if kernel == "nuts":
+            try:
+                import pyro  # noqa: F401
+            except ImportError:
+                raise ValueError("kernel='nuts' needs the pyro-ppl package (pip install 'bayeswrap[nuts]'); "
+                                 "accepted without it: kernel='hmc'") from None
+        self.kernel = kernel
         self.num_leapfrog = check_int("num_leapfrog", num_leapfrog, minimum=1)
         self.target_accept = check_float("target_accept", target_accept, low=0.0, high=1.0, low_open=True,
                                          high_open=True)
@@ -460,7 +474,33 @@ class HMC(FullBatchMCMC):
             self.num_leapfrog = saved
         return step
 
+    def _run_nuts(self, energy, states, num_warmup, num_samples, thinning, generator):
+        from pyro.infer import MCMC, NUTS
+
+        draws, accept, steps, divergences = [], [], [], []
+        for chain in states:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)) \
+                if generator is not None else int(torch.randint(0, 2**62, (1,)))
+            with torch.random.fork_rng(devices=[]), torch.enable_grad():
+                torch.manual_seed(seed)
+                nuts = NUTS(potential_fn=lambda params: energy(params["theta"]), target_accept_prob=self.target_accept,
+                            adapt_step_size=True, adapt_mass_matrix=self.adapt_mass, full_mass=False)
+                run = MCMC(nuts, num_samples=num_samples, warmup_steps=num_warmup,
+                           initial_params={"theta": chain.detach().clone()}, disable_progbar=True)
+                run.run()
+            draws.append(run.get_samples()["theta"].detach().to(states))
+            info = run.diagnostics()
+            accept.append(float(next(iter(info["acceptance rate"].values()))))
+            divergences.append(len(next(iter(info["divergences"].values()))))
+            steps.append(float(nuts.step_size))
+        stacked = torch.stack(draws, 1)  # (num_samples, chains, P)
+        for i in range(0, num_samples, thinning):
+            self._keep(stacked[i])
+        return {"acceptance_rate": accept, "step_size": steps, "divergences": divergences, "kernel": "nuts"}
+
     def _run(self, energy, states, grads, values, num_warmup, num_samples, thinning, generator):
+        if self.kernel == "nuts":
+            return self._run_nuts(energy, states, num_warmup, num_samples, thinning, generator)
         chains, dim = states.shape
         gv = self._grad_and_value(energy)
         inv_mass = torch.ones_like(states)
