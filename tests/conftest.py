@@ -110,3 +110,14 @@ def damage_file(path, kind: str) -> bool:
     else:
         return False
     return True
+
+
+def load_script(filename: str):
+    """Imports ``scripts/<filename>`` as a module (the scripts folder is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / filename
+    spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

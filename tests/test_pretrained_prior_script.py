@@ -5,7 +5,6 @@ starts (in-process, torch is already imported and its busy-waiting OpenMP thread
 on a shared 2-core CPU).
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -15,16 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 import torch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("_pretrained_prior_digits", SCRIPTS / "pretrained_prior_digits.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("pretrained_prior_digits.py")
 
 
 @pytest.fixture(scope="module")
