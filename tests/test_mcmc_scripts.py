@@ -86,8 +86,8 @@ def test_logistic_json_is_sensible_and_samplers_agree_with_newton(dissertation_r
             assert abs(s["mean"][i] - newton["beta"][i]) < newton["laplace_std"][i], (method, i)
             assert 0.5 < s["std"][i] / newton["laplace_std"][i] < 2.0, (method, i)
     sweep = data["leapfrog_sweep"]
-    assert [r["leapfrog"] for r in sweep] == sorted({*dissertation.FAST["logistic"]["leapfrog_sweep"],
-                                                      dissertation.FAST["logistic"]["hmc"]["leapfrog"]})
+    steps = sorted({*dissertation.FAST["logistic"]["leapfrog_sweep"], dissertation.FAST["logistic"]["hmc"]["leapfrog"]})
+    assert [(r["jitter"], r["leapfrog"]) for r in sweep] == [(j, s) for j in (False, True) for s in steps]
     assert all(0 < r["acceptance_mean"] <= 1 and r["ess_bulk_min"] > 0 and r["rhat_max"] >= 0.9 for r in sweep)
     assert 0 <= data["surface_max_abs_gap_hmc_mh"] <= 1
 

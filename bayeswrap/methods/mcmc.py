@@ -406,6 +406,10 @@ class HMC(FullBatchMCMC):
         init_step_size: the first step size (> 0); refined by Hoffman & Gelman's
             Algorithm 4 heuristic before warm-up.
         adapt_mass: adapt the diagonal inverse mass matrix in warm-up windows.
+        jitter: draw each trajectory's number of leapfrog steps uniformly from
+            {⌈L/2⌉, ..., ⌊3L/2⌋} (L = ``num_leapfrog``; Neal 2011, §5.4.2.2), so that
+            no fixed trajectory length can be close to a period of the dynamics
+            (a fixed L made the ESS swing by two orders of magnitude with L).
         kernel: ``"hmc"`` (this module's sampler) or ``"nuts"``: the No-U-Turn
             sampler of the optional ``pyro-ppl`` package (Hoffman & Gelman 2014,
             Algorithm 6, through its ``potential_fn`` interface), one chain after another,
@@ -413,7 +417,7 @@ class HMC(FullBatchMCMC):
     """
 
     def __init__(self, model, *, num_leapfrog: int = 16, target_accept: float = 0.8, init_step_size: float = 0.1,
-                 adapt_mass: bool = True, kernel: str = "hmc", **kwargs):
+                 adapt_mass: bool = True, kernel: str = "hmc", jitter: bool = True, **kwargs):
         if kernel not in ("hmc", "nuts"):
             raise ValueError(f"kernel={kernel!r} is not known; accepted: 'hmc' (bayeswrap's), 'nuts' (pyro-ppl's "
                              f"NUTS, pip install pyro-ppl)")
@@ -424,6 +428,7 @@ class HMC(FullBatchMCMC):
                 raise ValueError("kernel='nuts' needs the pyro-ppl package (pip install 'bayeswrap[nuts]'); "
                                  "accepted without it: kernel='hmc'") from None
         self.kernel = kernel
+        self.jitter = bool(jitter)
         self.num_leapfrog = check_int("num_leapfrog", num_leapfrog, minimum=1)
         self.target_accept = check_float("target_accept", target_accept, low=0.0, high=1.0, low_open=True,
                                          high_open=True)
@@ -431,18 +436,19 @@ class HMC(FullBatchMCMC):
         self.adapt_mass = bool(adapt_mass)
         super().__init__(model, **kwargs)
 
-    def _trajectory(self, gv, states, grads, values, step, inv_mass, generator):
+    def _trajectory(self, gv, states, grads, values, step, inv_mass, generator, num_steps: int | None = None):
         """One leapfrog trajectory per chain; returns the proposal, its gradient/potential and the energy error."""
+        num_steps = self.num_leapfrog if num_steps is None else num_steps
         momentum = torch.randn(states.shape, generator=generator, device=states.device,
                                dtype=states.dtype) / inv_mass.sqrt()
         h0 = values + 0.5 * (inv_mass * momentum.square()).sum(1)
         q, p, g = states, momentum - 0.5 * step[:, None] * grads, grads
         u = values
-        for i in range(self.num_leapfrog):
+        for i in range(num_steps):
             q = q + step[:, None] * inv_mass * p
             with torch.enable_grad():
                 g, u = gv(q)
-            if i < self.num_leapfrog - 1:
+            if i < num_steps - 1:
                 p = p - step[:, None] * g
         p = p - 0.5 * step[:, None] * g
         h1 = u + 0.5 * (inv_mass * p.square()).sum(1)
@@ -514,7 +520,11 @@ class HMC(FullBatchMCMC):
         for it in range(num_warmup + num_samples):
             warm = it < num_warmup
             current = da.step if warm else da.final
-            q, g, u, error = self._trajectory(gv, states, grads, values, current, inv_mass, generator)
+            num_steps = self.num_leapfrog
+            if self.jitter:  # L ~ U{⌈L/2⌉, ..., ⌊3L/2⌋}, the same for every chain
+                low, high = (self.num_leapfrog + 1) // 2, self.num_leapfrog + self.num_leapfrog // 2
+                num_steps = int(torch.randint(low, high + 1, (1,), generator=generator, device=states.device))
+            q, g, u, error = self._trajectory(gv, states, grads, values, current, inv_mass, generator, num_steps)
             states, grads, values, prob, accept = self._accept(generator, error, states, grads, values, q, g, u)
             divergent = error > DIVERGENCE
             if warm:
