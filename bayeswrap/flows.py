@@ -299,8 +299,11 @@ class MultiplicativeFlow(nn.Module):
         self.b2 = nn.Parameter(torch.randn(D))
         self.r_flow = IAF(D, self.flow_length, hidden_sizes, seed=(seed + self.flow_length) % (_MAX_SEED + 1))
 
-    def sample(self) -> tuple[Tensor, Tensor]:
+    def sample(self, num_samples: int | None = None) -> tuple[Tensor, Tensor]:
         """Draws z_K ~ q(z) with the reparameterisation trick (global torch RNG).
+
+        With ``num_samples`` = S the S draws go through the flow as one batch:
+        ``z_K`` has shape (S, D) and ``log_q`` shape (S,).
 
         ``z_0 = mu0 + exp(log_var0 / 2) ⊙ ε`` with ``ε = torch.randn(D)``,
         ``z_K, log_det = q_flow(z_0)`` and
@@ -310,10 +313,11 @@ class MultiplicativeFlow(nn.Module):
         Returns:
             ``(z_K, log_q)``: (D,) and a scalar, both differentiable w.r.t. all q parameters.
         """
-        eps = torch.randn(self.dim, dtype=self.mu0.dtype, device=self.mu0.device)
+        shape = (self.dim,) if num_samples is None else (num_samples, self.dim)
+        eps = torch.randn(shape, dtype=self.mu0.dtype, device=self.mu0.device)
         z0 = self.mu0 + torch.exp(0.5 * self.log_var0) * eps
         z, log_det = self.q_flow(z0)
-        log_q0 = -0.5 * (_LOG_2PI + self.log_var0 + eps * eps).sum()
+        log_q0 = -0.5 * (_LOG_2PI + self.log_var0 + eps * eps).sum(-1)
         return z, log_q0 - log_det
 
     def log_r(self, z: Tensor, m_mean: Tensor, m_var: Tensor) -> Tensor:

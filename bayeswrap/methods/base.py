@@ -463,11 +463,18 @@ class BayesianModel(nn.Module, ABC):
         return torch.cat(outs, 0)
 
     def _sample_logits_mpm(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
-        raise NotImplementedError  # only methods with inclusion variables (has_inclusion) get here
+        """Outputs of the median probability model; methods with inclusion variables (LBBNN) override this."""
+        self._check_predictive_model("mpm")  # a ValueError for every method without inclusion variables
+        raise NotImplementedError(f"method {self.method!r} has inclusion variables but no MPM sampler")
 
     def mpm_mean(self) -> dict[str, torch.Tensor]:
-        """The mean of the median probability model (methods with inclusion variables)."""
-        raise NotImplementedError
+        """The weights of the median probability model (methods with inclusion variables).
+
+        Raises:
+            ValueError: for a method without inclusion variables.
+        """
+        self._check_predictive_model("mpm")
+        raise NotImplementedError(f"method {self.method!r} has inclusion variables but no MPM mean")
 
     def _forward_many(self, thetas: dict[str, torch.Tensor], x) -> torch.Tensor:
         """Outputs under each of the stacked samples ``thetas`` ({name: (S, *shape)}), (S, B, ...).

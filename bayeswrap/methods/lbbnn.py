@@ -165,13 +165,13 @@ class LBBNN(SparsityMixin, BayesianModel):
         return {n: F.softplus(r) for n, r in self.rho.items()}
 
     # ------------------------------------------------------------------ flows
-    def _z(self, sample: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """``{layer path: z}`` (a flow sample, or the flow at the base mean) and Σ log q(z)."""
+    def _z(self, sample: bool, num_samples: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``{layer path: z}`` (a flow sample, S stacked samples, or the flow at the base mean) and Σ log q(z)."""
         zs, log_q = {}, None
         for layer in self._lrt if self.flow_length else ():
             flow = self.flows[layer.path.replace(".", "/")]
             if sample:
-                z, lq = flow.sample()
+                z, lq = flow.sample(num_samples)
                 log_q = lq if log_q is None else log_q + lq
             else:
                 z = flow.q_flow(flow.mu0)[0]
@@ -179,12 +179,12 @@ class LBBNN(SparsityMixin, BayesianModel):
         return zs, log_q
 
     def _scaled_means(self, zs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """μ̃, with μ̃ z for the weights of flow layers (z per input neuron / output channel)."""
+        """μ̃, with μ̃ z for the weights of flow layers (z per input neuron / output channel; z may be (S, D))."""
         means = self.mean.as_dict()
         for layer in self._lrt if zs else ():
             z = zs[layer.path]
             shape = (1, -1) if layer.kind == "linear" else (-1, 1, 1, 1)
-            means[layer.weight] = means[layer.weight] * z.reshape(shape)
+            means[layer.weight] = means[layer.weight] * z.reshape(*z.shape[:-1], *shape)
         return means
 
     # ------------------------------------------------------------------ training
@@ -303,16 +303,10 @@ class LBBNN(SparsityMixin, BayesianModel):
         sigma, alpha = self._sigma(), self.inclusion_probs()
         if mpm:
             alpha = {n: (a > 0.5).to(a.dtype) for n, a in alpha.items()}
-        draws = []
-        for _ in range(num_samples if self.flow_length else 1):  # without flows the moments are shared
-            zs, _ = self._z(sample=True)
-            means = self._scaled_means(zs)
-            draws.append(self._moments(means, sigma, alpha))
-        mean = {n: torch.stack([d[0][n] for d in draws]) for n in self._lrt_set}
-        var = {n: torch.stack([d[1][n] for d in draws]) for n in self._lrt_set}
-        if not self.flow_length:
-            mean = {n: t.expand(num_samples, *t.shape[1:]) for n, t in mean.items()}
-            var = {n: t.expand(num_samples, *t.shape[1:]) for n, t in var.items()}
+        zs, _ = self._z(sample=True, num_samples=num_samples)  # the S flow draws as one batch
+        mean, var = self._moments(self._scaled_means(zs), sigma, alpha)
+        mean = {n: t.expand(num_samples, *self.mean[n].shape) for n, t in mean.items()}  # shared moments: no copy
+        var = {n: t.expand(num_samples, *self.mean[n].shape) for n, t in var.items()}
         whole = {}
         for n, m in self.mean.items():
             if n in self._lrt_set:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import time
+from abc import abstractmethod
 
 import torch
 from torch.func import grad_and_value, vmap
@@ -295,8 +296,9 @@ class FullBatchMCMC(BayesianModel):
             start += t.numel()
         return out
 
+    @abstractmethod
     def _run(self, energy, states, grads, values, num_warmup, num_samples, thinning, generator) -> dict:
-        raise NotImplementedError
+        """The sampler's loop from the checked starting ``states`` (C, P); keeps draws, returns statistics."""
 
     # ------------------------------------------------------------------ diagnostics
     def diagnostics(self) -> dict:
