@@ -16,14 +16,142 @@ tests check that both give the same loss and gradients.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
 
 
+#: elements per bucket of the per-parameter passes: small enough that a bucket's temporaries stay in a
+#: CPU's L2/L3 cache and add little to peak memory, large enough to amortise the per-call overhead
+BUCKET_NUMEL = 1 << 18
+
+
+def buckets(tensors: Sequence[torch.Tensor], max_numel: int | None = None) -> list[list[int]]:
+    """Consecutive groups of tensor indices holding at most ``max_numel`` elements each.
+
+    A tensor larger than ``max_numel`` forms a bucket of its own. The hot-path
+    kernels below process one bucket at a time, so their temporaries are
+    bucket-sized instead of model-sized (peak memory), and they stay in cache
+    between passes (speed).
+
+    Args:
+        tensors: the tensors to group, in order.
+        max_numel: the bucket size in elements, an integer ≥ 1 (default :data:`BUCKET_NUMEL`).
+
+    Returns:
+        A list of lists of indices into ``tensors``, covering each index once, in order.
+    """
+    max_numel = BUCKET_NUMEL if max_numel is None else max_numel
+    groups: list[list[int]] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        if not groups or size + n > max_numel:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
+#: elements per independently seeded stream of :func:`random_buckets` on the CPU
+RNG_CHUNK = 1 << 18
+_MASK64 = (1 << 64) - 1
+_pool_state: dict = {}
+
+
+def _stream_seed(base: int, index: int) -> int:
+    """SplitMix64 of ``base + index``: decorrelated 63-bit seeds for consecutive streams (Steele et al. 2014)."""
+    z = (base + 0x9E3779B97F4A7C15 * (index + 1)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _thread_pool(workers: int):
+    """A process-local thread pool (re-created after a fork or a change of thread count)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = (os.getpid(), workers)
+    if _pool_state.get("key") != key:
+        _pool_state["pool"] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bayeswrap-rng")
+        _pool_state["key"] = key
+    return _pool_state["pool"]
+
+
+def random_buckets(tensors: Sequence[torch.Tensor], groups: list[list[int]], kind: str = "normal",
+                   generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """One flat buffer of i.i.d. N(0, 1) (``kind="normal"``) or U[0, 1) (``"uniform"``) draws per bucket.
+
+    On a GPU, and for at most :data:`RNG_CHUNK` elements in all, each bucket is one
+    ``normal_``/``uniform_`` call of ``generator``. Otherwise on the CPU, where PyTorch's Mersenne Twister draws one element at a time
+    (about 4–5 ns per element, often the largest per-parameter cost of a
+    training step), the buffers are cut into streams of :data:`RNG_CHUNK`
+    elements, each with its own generator seeded from one 63-bit draw of
+    ``generator`` (SplitMix64-decorrelated seeds), and the streams are filled
+    by ``torch.get_num_threads()`` threads. The draws are exact i.i.d. N(0, 1)
+    or U[0, 1) and depend only on the state of ``generator`` (or the global
+    RNG), not on the number of threads.
+
+    Args:
+        tensors: reference tensors (same dtype and device), e.g. the means.
+        groups: buckets of indices into ``tensors`` (:func:`buckets`).
+        kind: ``"normal"`` or ``"uniform"``.
+        generator: optional ``torch.Generator``; the global RNG by default.
+
+    Returns:
+        A list with one 1-D tensor per bucket, holding as many elements as the bucket's tensors.
+
+    Raises:
+        ValueError: for an unknown ``kind``.
+    """
+    if kind not in ("normal", "uniform"):
+        raise ValueError(f"kind={kind!r} is not accepted; accepted: 'normal', 'uniform'")
+    ref = tensors[0]
+    flats = [torch.empty(sum(tensors[i].numel() for i in idx), device=ref.device, dtype=ref.dtype) for idx in groups]
+    if ref.device.type != "cpu" or sum(f.numel() for f in flats) <= RNG_CHUNK:
+        for flat in flats:
+            (flat.normal_ if kind == "normal" else flat.uniform_)(generator=generator)
+        return flats
+    base = int(torch.randint(0, 2**62, (1,), generator=generator))
+    pieces = [piece for flat in flats for piece in flat.split(RNG_CHUNK)]
+
+    def fill(index: int) -> None:
+        stream = torch.Generator().manual_seed(_stream_seed(base, index))
+        piece = pieces[index]
+        (piece.normal_ if kind == "normal" else piece.uniform_)(generator=stream)
+
+    workers = min(torch.get_num_threads(), len(pieces))
+    if workers > 1:
+        list(_thread_pool(workers).map(fill, range(len(pieces))))
+    else:
+        for index in range(len(pieces)):
+            fill(index)
+    return flats
+
+
+def _views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` split into views shaped like ``tensors``."""
+    return [chunk.view(t.shape) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+def _draws_like(tensors: Sequence[torch.Tensor], kind: str, generator: torch.Generator | None) -> list[torch.Tensor]:
+    """Draws of :func:`random_buckets` split into tensors shaped like ``tensors``."""
+    tensors = list(tensors)
+    groups = buckets(tensors)
+    out: list[torch.Tensor] = []
+    for idx, flat in zip(groups, random_buckets(tensors, groups, kind, generator)):
+        out.extend(_views(flat, [tensors[i] for i in idx]))
+    return out
+
+
 def standard_normal_like(tensors: Sequence[torch.Tensor], generator: torch.Generator | None = None,
                          ) -> list[torch.Tensor]:
-    """ε ~ N(0, I) shaped like each tensor, drawn with one ``randn`` call and split into views.
+    """ε ~ N(0, I) shaped like each tensor, drawn by :func:`random_buckets`.
+
+    The draws are exactly those of :func:`mean_field_sample` under the same RNG
+    state, so the fused and reference VI paths see the same ε.
 
     Args:
         tensors: reference tensors (same dtype and device).
@@ -32,63 +160,68 @@ def standard_normal_like(tensors: Sequence[torch.Tensor], generator: torch.Gener
     Returns:
         A list of tensors of the reference shapes.
     """
-    numels = [t.numel() for t in tensors]
-    ref = tensors[0]
-    flat = torch.randn(sum(numels), generator=generator, device=ref.device, dtype=ref.dtype)
-    return [chunk.view(t.shape) for chunk, t in zip(flat.split(numels), tensors)]
+    return _draws_like(tensors, "normal", generator)
 
 
 def _sum_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(tensors)).pow(2).sum()
 
 
-class _MeanFieldSample(torch.autograd.Function):
-    """θ = m + exp(κρ) ⊙ ε and KL(N(m, s²) || N(θ̄, σ²)) in one pass, gradients in closed form.
+class _MeanFieldBucket(torch.autograd.Function):
+    """θ = m + exp(κρ) ⊙ ε and the bucket's KL(N(m, s²) || N(θ̄, σ²)) terms, gradients in closed form.
 
-    Inputs: ``(info, *m, *rho)``; outputs ``(*theta, kl)``. Saved for backward:
-    m and ρ (the parameters themselves), θ (which the network keeps for its own
-    backward anyway) and s = exp(κρ) (one parameter-sized copy). ε is
-    recovered as (θ − m)/s.
+    Inputs: ``(info, eps, *m, *rho)`` for one bucket (``eps``: the bucket's flat N(0, 1)
+    draws from :func:`random_buckets`); outputs ``(*theta, kl)``.
+    Saved for backward: m and ρ (the parameters themselves) and θ (which the
+    network keeps for its own backward anyway); s = exp(κρ) is recomputed
+    there rather than kept, and θ − m = s ⊙ ε gives ε's contribution without
+    storing ε. One node per bucket: when it has run, the bucket's θ and its
+    incoming gradient are freed while its parameter gradients are created, so
+    peak memory holds θ and ∂L/∂θ once, plus one bucket of temporaries.
     """
 
     @staticmethod
-    def forward(ctx, info, *tensors):
-        n, prior_idx, prior_means, var0, log_std0, generator, kappa = info
+    def forward(ctx, info, eps, *tensors):
+        n, prior_pos, prior_means, var0, log_std0, kappa = info
         m, rho = list(tensors[:n]), list(tensors[n:])
-        s = torch._foreach_exp(torch._foreach_mul(rho, kappa))
-        theta = torch._foreach_addcmul(m, s, standard_normal_like(m, generator))
+        s = torch._foreach_mul(rho, kappa)
+        torch._foreach_exp_(s)
+        theta = torch._foreach_addcmul(m, s, _views(eps, m))
         kl = m[0].new_zeros(())
-        if prior_idx:
-            mp, sp = [m[i] for i in prior_idx], [s[i] for i in prior_idx]
+        if prior_pos:
+            mp, sp = [m[i] for i in prior_pos], [s[i] for i in prior_pos]
             diff = torch._foreach_sub(mp, prior_means)
-            log_s = kappa * torch.stack([rho[i].sum() for i in prior_idx]).sum()  # Σ log s = κ Σ ρ
+            log_s = kappa * torch.stack([rho[i].sum() for i in prior_pos]).sum()  # Σ log s = κ Σ ρ
             count = sum(t.numel() for t in mp)
             kl = (_sum_squares(diff) + _sum_squares(sp)) / (2 * var0) - log_s + count * (log_std0 - 0.5)
-        ctx.info = (n, prior_idx, prior_means, var0, kappa)
-        ctx.save_for_backward(*m, *rho, *theta, *s)
+        ctx.info = (n, prior_pos, prior_means, var0, kappa)
+        ctx.save_for_backward(*m, *rho, *theta)
         return (*theta, kl)
 
     @staticmethod
     def backward(ctx, *grads):
-        n, prior_idx, prior_means, var0, kappa = ctx.info
+        n, prior_pos, prior_means, var0, kappa = ctx.info
         saved = ctx.saved_tensors
-        m, rho, theta, s = (list(saved[i * n:(i + 1) * n]) for i in range(4))
+        m, rho, theta = (list(saved[i * n:(i + 1) * n]) for i in range(3))
         g = [torch.zeros_like(t) if gi is None else gi for gi, t in zip(grads[:n], theta)]
-        k = 0.0 if grads[n] is None or not prior_idx else float(grads[n])  # d loss / d KL
-        # ∂L/∂s = g ⊙ ε + k (s/σ² − 1/s) and ∂s/∂ρ = κ s, so with ε = (θ − m)/s
+        k = 0.0 if grads[n] is None or not prior_pos else float(grads[n])  # d loss / d KL
+        # ∂L/∂s = g ⊙ ε + k (s/σ² − 1/s) and ∂s/∂ρ = κ s, so with s ε = θ − m
         # ∂L/∂ρ = κ [g ⊙ (θ − m) + k (s²/σ² − 1)]  (no division by s)
-        grad_rho = list(torch._foreach_sub(theta, m))
+        grad_rho = torch._foreach_sub(theta, m)
         torch._foreach_mul_(grad_rho, g)
         grad_m = list(g)  # ∂L/∂m = g + k (m − θ̄)/σ²
         if k:
-            gp, sp = [grad_rho[i] for i in prior_idx], [s[i] for i in prior_idx]
-            torch._foreach_addcmul_(gp, sp, sp, value=k / var0)
+            gp = [grad_rho[i] for i in prior_pos]
+            s2 = torch._foreach_mul([rho[i] for i in prior_pos], 2.0 * kappa)
+            torch._foreach_exp_(s2)  # s² = exp(2κρ)
+            torch._foreach_add_(gp, s2, alpha=k / var0)
             torch._foreach_add_(gp, -k)
-            diff = torch._foreach_sub([m[i] for i in prior_idx], prior_means)
-            for i, gm in zip(prior_idx, torch._foreach_add([g[i] for i in prior_idx], diff, alpha=k / var0)):
-                grad_m[i] = gm
+            gm = torch._foreach_add([g[i] for i in prior_pos], [m[i] for i in prior_pos], alpha=k / var0)
+            torch._foreach_add_(gm, prior_means, alpha=-k / var0)
+            for i, t in zip(prior_pos, gm):
+                grad_m[i] = t
         torch._foreach_mul_(grad_rho, kappa)
-        return (None, *grad_m, *grad_rho)
+        return (None, None, *grad_m, *grad_rho)
 
 
 def mean_field_sample(m: list[torch.Tensor], rho: list[torch.Tensor], prior_idx: list[int],
@@ -100,6 +233,9 @@ def mean_field_sample(m: list[torch.Tensor], rho: list[torch.Tensor], prior_idx:
     2015; the std parameterisation of :class:`bayeswrap.VI`), and
     KL = Σ_{i ∈ prior_idx} [log(σ/s_i) + (s_i² + (m_i − θ̄_i)²)/(2σ²) − 1/2]
     (BayesDLL eq. 7). Gradients w.r.t. m and ρ are written in closed form.
+    The tensors are processed in buckets of about :data:`BUCKET_NUMEL`
+    elements (one autograd node each), so the temporaries are bucket-sized;
+    ε comes from :func:`random_buckets`, exactly as :func:`standard_normal_like` draws it.
 
     Args:
         m: variational means, one tensor per parameter.
@@ -111,12 +247,109 @@ def mean_field_sample(m: list[torch.Tensor], rho: list[torch.Tensor], prior_idx:
         generator: optional ``torch.Generator`` for ε.
 
     Returns:
-        ``(theta, kl)``: the sampled tensors and the scalar KL in nats.
+        ``(theta, kl)``: the sampled tensors (shapes of ``m``) and the scalar KL in nats.
     """
-    info = (len(m), list(prior_idx), list(prior_means), float(prior_std) ** 2, math.log(prior_std), generator,
-            float(log_std_scale))
-    out = _MeanFieldSample.apply(info, *m, *rho)
-    return list(out[:-1]), out[-1]
+    var0, log_std0, kappa = float(prior_std) ** 2, math.log(prior_std), float(log_std_scale)
+    prior_mean_of = dict(zip(prior_idx, prior_means))
+    theta: list[torch.Tensor] = []
+    kl = None
+    groups = buckets(m)
+    noise = random_buckets(m, groups, "normal", generator)
+    for b, idx in enumerate(groups):
+        prior_pos = [j for j, i in enumerate(idx) if i in prior_mean_of]
+        info = (len(idx), prior_pos, [prior_mean_of[idx[j]] for j in prior_pos], var0, log_std0, kappa)
+        eps, noise[b] = noise[b], None  # freed once the bucket's θ exists
+        out = _MeanFieldBucket.apply(info, eps, *[m[i] for i in idx], *[rho[i] for i in idx])
+        del eps
+        theta.extend(out[:-1])
+        kl = out[-1] if kl is None else kl + out[-1]
+    return theta, kl
+
+
+class _DropoutBucket(torch.autograd.Function):
+    """θ = z ⊙ m + (1 − z) ⊙ θ̄ with z_i = [u_i ≥ p_i], and the bucket's Σ_i c_i ‖m_i − θ̄_i‖², gradients in closed form.
+
+    Inputs: ``(info, u, *m)`` for one bucket (``u``: the bucket's flat U[0, 1) draws
+    from :func:`random_buckets`); outputs ``(*theta, penalty)``. Saved for
+    backward: m and the keep masks z (one byte per element).
+    ∂L/∂m_i = z_i ⊙ g_i + 2 k c_i (m_i − θ̄_i), with g = ∂L/∂θ and k = ∂L/∂penalty.
+    """
+
+    @staticmethod
+    def forward(ctx, info, u, *m):
+        probs, means, scales = info
+        keep = [v >= p for v, p in zip(_views(u, m), probs)]
+        theta = [torch.where(z, mi, mean) for z, mi, mean in zip(keep, m, means)]
+        pen = [(mi, mean, c) for mi, mean, c in zip(m, means, scales) if c]
+        penalty = m[0].new_zeros(())
+        if pen:
+            diff = torch._foreach_sub([t[0] for t in pen], [t[1] for t in pen])
+            norms = torch.stack(torch._foreach_norm(diff))
+            penalty = (norms.square() * norms.new_tensor([t[2] for t in pen])).sum()
+        ctx.info = info
+        ctx.save_for_backward(*m, *keep)
+        return (*theta, penalty)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        probs, means, scales = ctx.info
+        n = len(probs)
+        saved = ctx.saved_tensors
+        m, keep = saved[:n], saved[n:]
+        k = 0.0 if grads[n] is None else float(grads[n])
+        out = []
+        for g, z, mi, mean, c in zip(grads[:n], keep, m, means, scales):
+            gm = torch.zeros_like(mi) if g is None else torch.where(z, g, 0.0)
+            if k and c:
+                gm.add_(mi, alpha=2.0 * k * c).add_(mean, alpha=-2.0 * k * c)
+            out.append(gm)
+        return (None, None, *out)
+
+
+def dropout_sample(m: list[torch.Tensor], probs: list[float], means: list[torch.Tensor], scales: list[float],
+                   generator: torch.Generator | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A parameter-dropout sample towards θ̄ and its Gaussian penalty, bucket by bucket.
+
+    θ_i = z_i ⊙ m_i + (1 − z_i) ⊙ θ̄_i with z_i = [u_i ≥ p_i], u ~ U[0, 1) from
+    :func:`random_buckets` (so z_i ~ Bernoulli(1 − p_i)), and the penalty
+    Σ_i c_i ‖m_i − θ̄_i‖² (BayesDLL eq. 10 with c_i = (1 − p_i)/(2σ²)). Gradients
+    w.r.t. m are written in closed form; temporaries are bucket-sized.
+
+    Args:
+        m: the kept values, one tensor per parameter, each with p_i > 0.
+        probs: drop probabilities p_i in (0, 1).
+        means: prior means θ̄_i (the dropped value), same shapes as ``m``.
+        scales: penalty factors c_i ≥ 0 (0: no penalty term).
+        generator: optional ``torch.Generator`` for u.
+
+    Returns:
+        ``(theta, penalty)``: the sampled tensors and the scalar penalty in nats.
+    """
+    groups = buckets(m)
+    noise = random_buckets(m, groups, "uniform", generator)
+    theta: list[torch.Tensor] = []
+    total = None
+    for b, idx in enumerate(groups):
+        info = ([probs[i] for i in idx], [means[i] for i in idx], [scales[i] for i in idx])
+        u, noise[b] = noise[b], None
+        out = _DropoutBucket.apply(info, u, *[m[i] for i in idx])
+        del u
+        theta.extend(out[:-1])
+        total = out[-1] if total is None else total + out[-1]
+    return theta, total
+
+
+def uniform_like(tensors: Sequence[torch.Tensor], generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """u ~ U[0, 1) shaped like each tensor, exactly the draws :func:`dropout_sample` makes under the same RNG state.
+
+    Args:
+        tensors: reference tensors (same dtype and device).
+        generator: optional ``torch.Generator``.
+
+    Returns:
+        A list of tensors of the reference shapes.
+    """
+    return _draws_like(tensors, "uniform", generator)
 
 
 class _GaussianPenalty(torch.autograd.Function):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..functional import NamedTensors, is_bias
+from ..fused import dropout_sample, uniform_like
 from .base import BayesianModel, check_float, check_int, register_method
 
 BIAS_OPTIONS = ("informative", "uninformative", "gaussian", "spikymix", "ignore")
@@ -36,6 +37,10 @@ class MCDropout(BayesianModel):
             ``"uninformative"``: dropout, but no prior term (p(θ_b) ∝ 1);
             ``"ignore"``: neither dropout nor prior term.
         num_train_samples: dropout masks per training step (≥ 1).
+        fused: draw the training sample and the prior term with the fused
+            bucketed kernel and closed-form gradients
+            (:func:`bayeswrap.fused.dropout_sample`); False uses the plain
+            autograd reference. Same values and gradients.
 
     Raises:
         ValueError: if ``p_drop`` is not a number in [0, 1), ``num_train_samples`` not an
@@ -47,7 +52,8 @@ class MCDropout(BayesianModel):
 
     bias_options = BIAS_OPTIONS
 
-    def __init__(self, model, *, p_drop: float = 0.1, num_train_samples: int = 1, **kwargs):
+    def __init__(self, model, *, p_drop: float = 0.1, num_train_samples: int = 1, fused: bool = True, **kwargs):
+        self.fused = bool(fused)
         self.p_drop = check_float("p_drop", p_drop, low=0.0, high=1.0, high_open=True,
                                   note="the probability that a parameter is reset to its prior mean")
         self.num_train_samples = check_int("num_train_samples", num_train_samples, minimum=1)
@@ -63,17 +69,39 @@ class MCDropout(BayesianModel):
 
     def _masked(self, shape_prefix=(), generator=None):
         out = {}
+        dropped = [n for n in self.theta.keys() if self.drop_prob[n] > 0.0]
+        # a training sample draws its u exactly as the fused kernel does (bayeswrap.fused.uniform_like)
+        u = dict(zip(dropped, uniform_like([self.theta[n] for n in dropped], generator))) \
+            if not shape_prefix and dropped else {}
         for n, m in self.theta.items():
             p = self.drop_prob[n]
             if p == 0.0:
                 out[n] = m.expand(*shape_prefix, *m.shape) if shape_prefix else m
                 continue
-            keep = torch.rand((*shape_prefix, *m.shape), device=m.device, generator=generator) >= p
-            out[n] = torch.where(keep, m, self.prior.mean[n])
+            draws = u[n] if n in u else torch.rand((*shape_prefix, *m.shape), device=m.device, generator=generator)
+            out[n] = torch.where(draws >= p, m, self.prior.mean[n])
         return out
 
     def _train_sample(self):
         return self._masked()
+
+    def _sample_and_regularizer(self):
+        if not self.fused:
+            return super()._sample_and_regularizer()
+        names = self.theta.keys()
+        dropped = [n for n in names if self.drop_prob[n] > 0.0]
+        if not dropped:
+            return super()._sample_and_regularizer()
+        kept = [n for n in names if self.drop_prob[n] == 0.0]
+        scales = [(1.0 - self.drop_prob[n]) * 0.5 / self.prior_std**2 if self.prior.applies_to(n) else 0.0
+                  for n in dropped]
+        theta, penalty = dropout_sample([self.theta[n] for n in dropped], [self.drop_prob[n] for n in dropped],
+                                        [self.prior.mean[n] for n in dropped], scales)
+        sample = dict(zip(dropped, theta))
+        if kept:
+            sample.update({n: self.theta[n] for n in kept})
+            penalty = penalty + self.prior.penalty({n: self.theta[n] for n in kept})
+        return {n: sample[n] for n in names}, penalty
 
     def regularizer(self) -> torch.Tensor:
         """Σ_i (1 − p_i)(m_i − θ̄_i)² / (2σ²), the KL approximation of eq. 10, in nats."""
