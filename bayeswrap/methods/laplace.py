@@ -78,6 +78,8 @@ import torch
 from torch.func import grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..distributed import all_reduce_sum_
+from ..curvature import LayerCurvature, basis_vectors, ggn_vectors, nll_gradient_vectors
 from ..functional import NamedTensors, _mangle, nonfinite_names
 from ..likelihoods import at_least_float32
 from .base import (BayesianModel, NotFittedError, batch_pair, check_float, check_inputs_finite, check_int,
@@ -87,6 +89,7 @@ from .map import MAP
 CURVATURES = ("ggn", "fisher", "empirical_fisher")
 PRED_TYPES = ("glm", "nn")
 LINK_APPROXES = ("mc", "probit")
+CURVATURE_BACKENDS = ("layers", "vmap")
 TUNING_METHODS = ("marglik", "val")
 #: fit_curvature warns when the posterior variance sums to more than this multiple of Σ θ*²
 NOISE_TO_SIGNAL_WARN = 10.0
@@ -111,9 +114,14 @@ class Laplace(MAP):
             default), ``"fisher"`` (Monte Carlo GGN: gradients at labels sampled
             from the model) or ``"empirical_fisher"`` (gradients at the observed
             labels). See the module docstring.
-        curvature_chunk_size: per-example gradients (or Jacobian rows for
-            ``"ggn"`` and the GLM variances) per ``vmap`` chunk; bounds memory
-            to that many copies of the Bayesian parameters.
+        curvature_chunk_size: bounds the memory of the curvature and of the
+            GLM variances. ``"vmap"`` backend (and the GLM variances):
+            per-example gradients (or Jacobian rows) per ``vmap`` chunk, i.e.
+            that many copies of the Bayesian parameters. ``"layers"`` backend:
+            per-example gradients of one layer at a time for that many
+            (example, output vector) rows, and max(1, chunk // B) output
+            vectors per backward pass of a batch of B examples (``"ggn"``
+            backpropagates K vectors per batch).
         curvature_samples: labels sampled per example for ``curvature="fisher"``
             (the number of Monte Carlo samples of the GGN); integer ≥ 1.
         pred_type: default predictive of :meth:`predict` and
@@ -122,6 +130,17 @@ class Laplace(MAP):
         link_approx: default link of the ``"glm"`` :meth:`predict`:
             ``"probit"`` (deterministic; exact for the Gaussian likelihood) or
             ``"mc"`` (linearised samples). Calls may override it.
+        curvature_backend: how :meth:`fit_curvature` (and :meth:`ggn_diagonal`)
+            sum squared per-example gradients. ``"layers"`` (default): one
+            batched forward and backward pass with per-layer closed forms
+            (:mod:`bayeswrap.curvature`; Linear, Conv1d/2d, LayerNorm, GroupNorm,
+            eval-mode BatchNorm, and exact per-module or whole-network ``vmap``
+            fallbacks for everything else), several times faster. ``"vmap"``:
+            the reference, ``torch.func.vmap`` over examples of the whole
+            network's vector-Jacobian products. Both give the same numbers up to
+            floating-point rounding; ``"layers"`` uses ``"vmap"`` by itself for
+            models that couple the examples of a batch (BatchNorm without
+            running statistics).
 
     Attributes:
         theta: θ* (trained as MAP).
@@ -138,8 +157,9 @@ class Laplace(MAP):
         val_search: after ``optimize_prior_precision("val")``, ``{"grid": [...], "nll": [...]}``.
 
     Raises:
-        ValueError: on an unknown ``curvature``, ``pred_type`` or
-            ``link_approx``, or a ``curvature_chunk_size`` / ``curvature_samples``
+        ValueError: on an unknown ``curvature``, ``pred_type``,
+            ``link_approx`` or ``curvature_backend`` (the message names the
+            value and lists the accepted ones), or a ``curvature_chunk_size`` / ``curvature_samples``
             that is not an integer >= 1.
     """
 
@@ -147,10 +167,12 @@ class Laplace(MAP):
     _nonfinite_state_keys = ("train_log_likelihood",)
 
     def __init__(self, model, *, curvature: str = "ggn", curvature_chunk_size: int = 32,
-                 curvature_samples: int = 1, pred_type: str = "glm", link_approx: str = "probit", **kwargs):
+                 curvature_samples: int = 1, pred_type: str = "glm", link_approx: str = "probit",
+                 curvature_backend: str = "layers", **kwargs):
         if curvature not in CURVATURES:
             raise ValueError(f"curvature={curvature!r} is not known; accepted: {CURVATURES}")
         self.curvature = curvature
+        self.curvature_backend = _check_choice("curvature_backend", curvature_backend, CURVATURE_BACKENDS)
         self.curvature_chunk_size = check_int("curvature_chunk_size", curvature_chunk_size, minimum=1)
         self.curvature_samples = check_int("curvature_samples", curvature_samples, minimum=1)
         self.pred_type = _check_choice("pred_type", pred_type, PRED_TYPES)
@@ -263,10 +285,13 @@ class Laplace(MAP):
         """Σ_n diag(J_nᵀ Λ_n J_n) over a batch: the exact diagonal GGN, without labels.
 
         Softmax: diag(Jᵀ (diag(p) − ppᵀ) J)_i = Σ_k p_k (J_{k,i} − m_i)² with
-        m = pᵀJ (a non-negative, cancellation-free form). Gaussian:
-        Σ_k J_{k,i}² / noise_std². Rows of J come from ``vmap`` over
-        vector-Jacobian products of one example at a time, at most
-        ``curvature_chunk_size`` rows at once.
+        m = pᵀJ. Gaussian: Σ_k J_{k,i}² / noise_std². With
+        ``curvature_backend="layers"`` the K columns s_k = sqrt(p_k)(e_k − p)
+        (Gaussian: e_k / noise_std) of a factor of Λ_n are backpropagated
+        through the batch and contracted per layer (Dangel et al. 2020,
+        BackPACK's DiagGGNExact; :mod:`bayeswrap.curvature`); with ``"vmap"``
+        rows of J come from ``vmap`` over per-example vector-Jacobian products.
+        Evaluated in the model's current mode (:meth:`fit_curvature` uses eval mode).
 
         Args:
             x: inputs, (B, ...).
@@ -275,6 +300,24 @@ class Laplace(MAP):
         Returns:
             ``{name: tensor of the parameter's shape}``, summed over the batch.
         """
+        theta = {n: t.detach() for n, t in (theta or self.theta.as_dict()).items()}
+        engine = self._layer_engine()
+        if engine is not None:
+            return engine.squared_grad_sums(self.forward_with, theta, x, ggn_vectors(self.likelihood))
+        return self._ggn_diagonal_vmap(x, theta)
+
+    def _layer_engine(self) -> LayerCurvature | None:
+        """The per-layer curvature engine of ``curvature_backend="layers"``, or None (vmap reference)."""
+        if self.curvature_backend != "layers":
+            return None
+        engine = self.__dict__.get("_layer_curvature")
+        if engine is None or engine.chunk_size != self.curvature_chunk_size or engine.model is not self.model:
+            engine = LayerCurvature(self.model, list(self.theta.keys()), self.curvature_chunk_size)
+            self.__dict__["_layer_curvature"] = engine
+        return engine if engine.usable else None
+
+    def _ggn_diagonal_vmap(self, x: torch.Tensor, theta) -> dict[str, torch.Tensor]:
+        """:meth:`ggn_diagonal` by vmap over examples (the reference of ``curvature_backend="vmap"``)."""
         theta = {n: t.detach() for n, t in (theta or self.theta.as_dict()).items()}
         categorical = self.likelihood.name == "categorical"
         total = {n: torch.zeros_like(t) for n, t in theta.items()}
@@ -373,12 +416,17 @@ class Laplace(MAP):
                     if self.curvature == "ggn":
                         torch._foreach_add_(list(curv.values()), list(self.ggn_diagonal(x, theta).values()))
                     elif self.curvature == "fisher":
-                        for _ in range(self.curvature_samples):
-                            sampled = self.likelihood.sample_targets(out, generator=generator)
-                            self._add_squared_grads(curv, x, sampled, theta, 1.0 / self.curvature_samples)
+                        sampled = [self.likelihood.sample_targets(out, generator=generator)
+                                   for _ in range(self.curvature_samples)]
+                        self._add_squared_grads(curv, x, sampled, theta, 1.0 / self.curvature_samples)
                     else:
                         self._add_squared_grads(curv, x, y, theta, 1.0)
                 seen += x.shape[0]
+            # data-parallel fits: every rank saw its own shard; the curvature, the log-likelihood and
+            # the example count are sums over examples, so summing them over the ranks gives the full terms
+            count = torch.tensor(float(seen), dtype=torch.float64, device=device)
+            all_reduce_sum_([*curv.values(), log_lik, count])
+            seen = int(round(float(count)))
         finally:
             self.train(was_training)
         if seen == 0:
@@ -414,14 +462,28 @@ class Laplace(MAP):
                                  "the posterior was left unchanged")
 
     def _add_squared_grads(self, acc, x, y, theta, weight: float) -> None:
-        """acc += weight · Σ_n g_n² over ``curvature_chunk_size``-example vmap chunks."""
-        for start in range(0, x.shape[0], self.curvature_chunk_size):
-            sl = slice(start, start + self.curvature_chunk_size)
-            g = self.per_example_grads(x[sl], y[sl], theta)
-            # Σ_n g_n² as a squared norm over the example dim: one read of the (chunk, *shape)
-            # gradients, no chunk-sized temporary
-            torch._foreach_add_(list(acc.values()), [torch.linalg.vector_norm(g[n], dim=0).square_() for n in acc],
-                                alpha=weight)
+        """acc += weight · Σ_n g_n² (g_n the NLL gradient of example n at targets ``y``).
+
+        ``y`` is a target tensor or a list of them (several sampled label sets,
+        each weighted by ``weight``). ``"layers"`` backend: one forward and one
+        (batched) backward pass and per-layer contractions; ``"vmap"``:
+        ``curvature_chunk_size``-example vmap chunks of per-example gradients.
+        """
+        ys = list(y) if isinstance(y, (list, tuple)) else [y]
+        engine = self._layer_engine()
+        if engine is not None:
+            sums = engine.squared_grad_sums(self.forward_with, theta, x,
+                                            nll_gradient_vectors(self.likelihood, ys, weight))
+            torch._foreach_add_(list(acc.values()), [sums[n] for n in acc])
+            return
+        for y1 in ys:
+            for start in range(0, x.shape[0], self.curvature_chunk_size):
+                sl = slice(start, start + self.curvature_chunk_size)
+                g = self.per_example_grads(x[sl], y1[sl], theta)
+                # Σ_n g_n² as a squared norm over the example dim: one read of the (chunk, *shape)
+                # gradients, no chunk-sized temporary
+                torch._foreach_add_(list(acc.values()),
+                                    [torch.linalg.vector_norm(g[n], dim=0).square_() for n in acc], alpha=weight)
 
     def noise_to_signal(self) -> tuple[float, float]:
         """How much the sampled ``"nn"`` predictive perturbs the weights, for the current δ.
@@ -488,9 +550,13 @@ class Laplace(MAP):
         """Mean and marginal variances of the linearised function, f_lin(x) ~ N(f(x; θ*), J diag(v) Jᵀ).
 
         var_k(x) = Σ_i J_{k,i}(x)² v_i, the diagonal of the functional covariance
-        (what the probit link of laplace-torch uses), computed from per-example
-        vector-Jacobian products in chunks of ``curvature_chunk_size`` Jacobian
-        rows. Evaluated in eval mode.
+        (what the probit link of laplace-torch uses). ``curvature_backend="layers"``:
+        the K unit vectors e_k are backpropagated through the batch
+        (max(1, ``curvature_chunk_size`` // B) per backward pass) and J_{k,i}² v_i
+        is summed per layer from its input and output gradient
+        (:meth:`bayeswrap.curvature.LayerCurvature.weighted_row_norms`);
+        ``"vmap"``: per-example vector-Jacobian products in chunks of
+        ``curvature_chunk_size`` Jacobian rows. Evaluated in eval mode.
 
         Args:
             x: inputs, (B, ...).
@@ -511,6 +577,11 @@ class Laplace(MAP):
         """:meth:`functional_moments` on checked inputs."""
         theta = {n: t.detach() for n, t in self.theta.items()}
         var = self.posterior_var.as_dict()
+        with self._evaluating():
+            engine = self._layer_engine()
+            if engine is not None:  # rows of J backpropagated through the batch, contracted per layer
+                f_mu, norms = engine.weighted_row_norms(self.forward_with, theta, x, basis_vectors(), var)
+                return f_mu, norms.t().reshape(f_mu.shape)
 
         def one(x1, basis, class_chunks):
             f1, vjp_fn = vjp(lambda th: self.forward_with(th, x1.unsqueeze(0)).reshape(-1), theta)
