@@ -15,6 +15,12 @@ rotation and noise shift, against held-out classes), and write the run folder::
         train.log
 
 Every file is written atomically.
+
+Under ``torchrun --nproc_per_node=N`` (``WORLD_SIZE`` > 1), ``fit`` trains data-parallel
+(:mod:`bayeswrap.distributed`): it initialises the process group itself (gloo on CPU,
+nccl on CUDA), ``--batch-size`` is the global batch (a multiple of N, split equally
+over the ranks), and only rank 0 creates, locks and writes the run folder. Every rank
+trains and evaluates (identical replicas); the final reports are computed on rank 0.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import io as _stdio
 import json
 import logging
 import math
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -33,7 +40,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from . import plots, runs
+from . import distributed, plots, runs
 from .evaluation import calibration, protocol
 from .evaluation.shift import shifted_dataset
 from .config import FIELDS, RESUME_ALLOWED, RunConfig, coerce, load_run_config, load_yaml, resolve, resolve_values
@@ -143,7 +150,10 @@ class RunInterrupted(Exception):
         self.run_dir, self.command = run_dir, command
 
 
-#: what ``last.pt`` must hold
+#: the autocast dtype of each ``amp`` value (fp16 also gets a gradient scaler)
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: what ``last.pt`` must hold (it also holds ``"scaler"``, the GradScaler state, when trained with amp=fp16)
 LAST_CHECKPOINT_KEYS = {"model": dict, "optimizer": dict, "epoch": int, "rng": torch.Tensor, "history": list,
                         "best_val_nll": float, "best_epoch": int}
 
@@ -212,32 +222,58 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
     Returns:
         ``(run_dir, metrics)``.
 
+    Data-parallel (a process group with several processes, see the module
+    docstring): only rank 0 opens, locks and writes the folder; the other ranks
+    train and return ``(run_dir, None)``.
+
     Raises:
         RunInterrupted: on Ctrl-C (the last finished epoch stays in ``last.pt``).
         bayeswrap.runs.RunFolderError: if the folder exists (without resume or
-            overwrite), is not a run folder, or another run holds it.
+            overwrite), is not a run folder, or another run holds it (on every rank).
         bayeswrap.io.CheckpointError: naming the file, for a damaged ``last.pt``.
+        ValueError: data-parallel, for a full-batch sampler (hmc, mh) or a
+            ``batch_size`` that is not a multiple of the world size.
     """
     sample_counts = sample_counts or [cfg.num_samples]
     splits, ood_test, bnn, head, device = build(cfg)  # all input is checked before anything is written
     sampler = bnn.not_trained_by_fit() is not None  # full-batch MCMC: run_chains instead of fit
+    if sampler:
+        distributed.refuse(f"method={cfg.method!r}", "its chains run on the whole training set in one process "
+                           "(run_chains), with no minibatches to shard")
+    world = distributed.world_size()
+    if cfg.batch_size % world:
+        raise ValueError(f"batch_size={cfg.batch_size} is not a multiple of the world size {world}; accepted: a "
+                         f"multiple of {world} (--batch-size is the global batch, split equally over the processes)")
     optimizer = None if sampler else make_optimizer(cfg, bnn, head)
     run_dir = Path(cfg.out_dir) / cfg.name
-    lock = runs.open_existing(run_dir) if resume else runs.open_new(cfg.out_dir, cfg.name, overwrite=cfg.overwrite)
+    main = distributed.is_main_process()
+    lock, failure = None, None
+    if main:
+        try:
+            lock = runs.open_existing(run_dir) if resume else runs.open_new(cfg.out_dir, cfg.name,
+                                                                            overwrite=cfg.overwrite)
+        except runs.RunFolderError as err:
+            failure = err
+    failed = distributed.broadcast_object(None if failure is None else str(failure))  # every rank stops alike
+    if failure is not None:
+        raise failure
+    if failed is not None:
+        raise runs.RunFolderError(failed)
     command = resume_command or f"bayeswrap fit --resume {run_dir}"
     handler = None
     try:
         ckpt = None
         if resume and (run_dir / "last.pt").is_file() and not sampler:
-            ckpt = _restore(run_dir / "last.pt", bnn, optimizer, cfg)
-        elif resume:  # killed before its first checkpoint: start again in the same folder
+            ckpt = _restore(run_dir / "last.pt", bnn, optimizer, cfg)  # every rank reads it (one node)
+        elif resume and main:  # killed before its first checkpoint: start again in the same folder
             runs.clear(run_dir)
             runs._write_marker(run_dir, "run")
-        handler = _setup_logging(run_dir)
-        if changes:
-            log.info("resumed with changes %s", changes)
-        write_yaml(run_dir / "config.yaml", cfg.to_dict())
-        write_json(run_dir / "data.json", data_info(splits, cfg).to_dict())
+        if main:
+            handler = _setup_logging(run_dir)
+            if changes:
+                log.info("resumed with changes %s", changes)
+            write_yaml(run_dir / "config.yaml", cfg.to_dict())
+            write_json(run_dir / "data.json", data_info(splits, cfg).to_dict())
         metrics = _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sample_counts, tuning,
                                     ckpt, changes)
         return run_dir, metrics
@@ -247,7 +283,8 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
         if handler is not None:
             log.removeHandler(handler)
             handler.close()
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 def _restore(path: Path, bnn, optimizer, cfg: RunConfig) -> dict:
@@ -288,7 +325,7 @@ def tuning_score(cfg: RunConfig, num_samples: int) -> float:
         fit(bnn, EpochLoader(splits.train, cfg.batch_size, cfg.seed, cfg.num_workers), epochs=cfg.epochs,
             optimizer=optimizer, val_loader=val_loader,
             early_stopping_patience=cfg.epochs if bnn.select_best_epoch else None,
-            autocast_dtype=torch.bfloat16 if cfg.amp else None, progress=False, finalize=False)
+            autocast_dtype=AMP_DTYPES[cfg.amp], progress=False, finalize=False)
     except FloatingPointError:
         return float("inf")
     bnn.after_fit(_eval_loader(splits.train, cfg))
@@ -336,38 +373,52 @@ def _sample_and_report(cfg, run_dir, splits, ood_test, bnn, device, sample_count
 
 def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sample_counts, tuning=None,
                       ckpt=None, changes=None):
+    """Trains, finalises on the best state and writes the reports; data-parallel, only rank 0 writes (else None)."""
     if optimizer is None:
         return _sample_and_report(cfg, run_dir, splits, ood_test, bnn, device, sample_counts)
-    train_loader = EpochLoader(splits.train, cfg.batch_size, cfg.seed, cfg.num_workers)
+    main = distributed.is_main_process()
+    train_loader = EpochLoader(splits.train, cfg.batch_size, cfg.seed, cfg.num_workers,
+                               num_replicas=distributed.world_size(), rank=distributed.rank())
+    scaler = torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None
     val_loader = _eval_loader(splits.val, cfg) if len(splits.val) else None
     test_loader = _eval_loader(splits.test, cfg)
     state = {"history": [], "best_val_nll": float("inf"), "best_epoch": 0, "resumes": []}
     start_epoch = 0
     if ckpt is not None:
         torch.set_rng_state(ckpt["rng"])
+        if scaler is not None and ckpt.get("scaler"):  # a run resumed with amp=fp16 after another amp starts afresh
+            scaler.load_state_dict(ckpt["scaler"])
         state.update({k: ckpt[k] for k in state if k in ckpt})
         start_epoch = ckpt["epoch"]
         log.info("resumed from %s at epoch %d", run_dir / "last.pt", start_epoch)
         if changes:
             state["resumes"] = [*state["resumes"], {"epoch": start_epoch, "changes": changes}]
     scheduler = make_scheduler(cfg, optimizer, start_epoch)
-    log.info("config: %s", cfg.to_dict())
-    log.info("data: %s, %d classes; Bayesian parameters: %d tensors, num_data=%d", splits.sizes(),
-             splits.num_classes, len(bnn.bayesian_names), bnn.num_data)
-    board = _tensorboard(run_dir, start_epoch)
+    if main:
+        log.info("config: %s", cfg.to_dict())
+        log.info("data: %s, %d classes; Bayesian parameters: %d tensors, num_data=%d", splits.sizes(),
+                 splits.num_classes, len(bnn.bayesian_names), bnn.num_data)
+        if distributed.is_distributed():
+            log.info("data-parallel: %d processes, global batch %d (%d per process)", distributed.world_size(),
+                     cfg.batch_size, cfg.batch_size // distributed.world_size())
+    board = _tensorboard(run_dir, start_epoch) if main else None
 
     def on_epoch_end(epoch, record):
         bnn.eval()
+        # every rank evaluates (identical replicas, and the random streams stay in step); rank 0 writes
         record.update({f"test_{k}": v for k, v in
                        evaluate_loader(bnn, test_loader, 0, allow_point_estimate=True).items()})
         state["history"].append(record)
+        if not main:
+            return
         # without validation data, or for a sampler (its posterior is the whole chain), the last epoch is best
         val_nll = record.get("val_nll", -float(epoch)) if bnn.select_best_epoch else -float(epoch)
         if val_nll < state["best_val_nll"]:
             state["best_val_nll"], state["best_epoch"] = val_nll, epoch + 1
             save_checkpoint(run_dir / "best.pt", bnn.state_dict())
         save_checkpoint(run_dir / "last.pt", {"model": bnn.state_dict(), "optimizer": optimizer.state_dict(),
-                                              "epoch": epoch + 1, "rng": torch.get_rng_state(), **state})
+                                              "epoch": epoch + 1, "rng": torch.get_rng_state(), **state,
+                                              **({"scaler": scaler.state_dict()} if scaler is not None else {})})
         write_text(run_dir / "history.csv", _history_csv(state["history"]))
         if board is not None:
             for key, value in record.items():
@@ -380,8 +431,8 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
     try:
         if start_epoch < cfg.epochs:
             fit(bnn, train_loader, epochs=cfg.epochs, optimizer=optimizer, val_loader=val_loader,
-                scheduler=scheduler, autocast_dtype=torch.bfloat16 if cfg.amp else None, start_epoch=start_epoch,
-                grad_clip_norm=cfg.grad_clip_norm or None, on_epoch_end=on_epoch_end,
+                scheduler=scheduler, autocast_dtype=AMP_DTYPES[cfg.amp], grad_scaler=scaler,
+                start_epoch=start_epoch, grad_clip_norm=cfg.grad_clip_norm or None, on_epoch_end=on_epoch_end,
                 progress=cfg.progress and sys.stderr.isatty(), finalize=False)
     except FloatingPointError as err:
         raise FloatingPointError(f"{err}; the last good checkpoint is kept in {run_dir / 'last.pt'}") from None
@@ -389,8 +440,12 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
         if board is not None:
             board.close()
     # finalise on the best-validation state (Laplace fits its curvature there) and save it
-    bnn.load_state_dict(load_checkpoint(run_dir / "best.pt"))
-    bnn.after_fit(_eval_loader(splits.train, cfg))
+    if main:
+        bnn.load_state_dict(load_checkpoint(run_dir / "best.pt"))
+    distributed.broadcast_state_dict_(bnn)  # data-parallel: rank 0 read the best state; every rank finalises
+    bnn.after_fit(_finalize_loader(splits.train, cfg))
+    if not main:
+        return None
     if tuning is not None and tuning.get("option") == "prior_precision":
         tuning = _tune_prior_precision(bnn, splits, cfg, tuning, sample_counts[-1], device)
     save_checkpoint(run_dir / "best.pt", bnn.state_dict())
@@ -408,6 +463,17 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
     write_json(run_dir / "metrics.json", metrics)
     log.info("final: %s", {s: {k: r["T1"][k] for k in ("error", "ece", "nll")} for s, r in reports.items()})
     return metrics
+
+
+def _finalize_loader(dataset, cfg: RunConfig):
+    """The in-order training loader of ``after_fit``; data-parallel, this rank's shard (each example on one rank).
+
+    Laplace sums its curvature over the shards (an all-reduce inside ``fit_curvature``).
+    """
+    if not distributed.is_distributed():
+        return _eval_loader(dataset, cfg)
+    return torch.utils.data.DataLoader(dataset, batch_size=max(cfg.batch_size, 128), num_workers=cfg.num_workers,
+                                       sampler=distributed.ShardSampler(len(dataset)))
 
 
 def _history_csv(history: list[dict]) -> str:
@@ -657,7 +723,10 @@ def _add_config_options(parser: argparse.ArgumentParser, skip=()) -> None:
         shown = yaml.safe_dump(default, default_flow_style=True).strip() if isinstance(default, dict) else \
             repr(default)
         help_text = f"{f.metadata['help']} (default: {shown})"
-        if isinstance(default, bool):
+        if name == "amp":  # a bare --amp (the older boolean flag) is bf16
+            parser.add_argument(flag, nargs="?", const="bf16", default=argparse.SUPPRESS, dest=name,
+                                metavar="{none,bf16,fp16}", help=help_text)
+        elif isinstance(default, bool):
             parser.add_argument(flag, nargs="?", const="true", default=argparse.SUPPRESS, dest=name,
                                 metavar="BOOL", help=help_text)
         else:
@@ -777,7 +846,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     for handler in logging.getLogger().handlers:  # the terminal gets warnings; train.log gets everything
         handler.setLevel(logging.WARNING)
+    prefix = "bayeswrap"
     try:
+        world = distributed.env_world_size()
+        if world > 1:
+            prefix = f"bayeswrap (rank {os.environ.get('RANK', '?')})"
+            if args.command != "fit":
+                raise ValueError(f"bayeswrap {args.command} does not run under torchrun (WORLD_SIZE={world}); "
+                                 "accepted: bayeswrap fit (data-parallel), or run this command in one process")
+            if os.environ.get("RANK", "0") != "0":  # one copy of the warnings on the terminal
+                for handler in logging.getLogger().handlers:
+                    handler.setLevel(logging.ERROR)
         if args.command == "evaluate":
             s = None if args.num_samples is None else _count("num_samples", args.num_samples, 0)
             report = evaluate_run(args.run_dir, s)
@@ -802,10 +881,16 @@ def main(argv: list[str] | None = None) -> int:
                     raise ValueError(f"-c {args.config} cannot be given with --resume: the run's own "
                                      f"{Path(args.resume) / 'config.yaml'} is used")
                 cfg, changes = resume_config(args.resume, overrides)
-                run_dir, metrics = run_fit(cfg, resume=True, changes=changes)
             else:
-                cfg = resolve(args.config, overrides)
-                run_dir, metrics = run_fit(cfg)
+                cfg, changes = resolve(args.config, overrides), None
+            started = distributed.init_from_env(device_of(cfg.device))  # torchrun: WORLD_SIZE > 1
+            try:
+                run_dir, metrics = run_fit(cfg, resume=args.resume is not None, changes=changes)
+            finally:
+                if started:
+                    distributed.destroy()
+            if metrics is None:  # a data-parallel rank other than 0: rank 0 prints
+                return 0
             rep = metrics["final"][str(cfg.num_samples)]
             print(f"{run_dir}: test error={rep['T1']['error']:.4f} ECE={rep['T1']['ece']:.4f} "
                   f"NLL={rep['T1']['nll']:.4f}")
@@ -819,16 +904,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"written: {base / 'comparison.md'}, {base / 'comparison.csv'} and figures in {base}")
         return 0
     except RunInterrupted as err:
-        print(f"bayeswrap: {err}", file=sys.stderr)
+        print(f"{prefix}: {err}", file=sys.stderr)
         return 130
     except KeyboardInterrupt:
-        print("bayeswrap: interrupted before a run folder was written; nothing to resume", file=sys.stderr)
+        print(f"{prefix}: interrupted before a run folder was written; nothing to resume", file=sys.stderr)
         return 130
     except (ValueError, FileNotFoundError, DataError, PermissionError) as err:
-        print(f"bayeswrap: error: {err}", file=sys.stderr)
+        print(f"{prefix}: error: {err}", file=sys.stderr)
         return 2
     except (RuntimeError, FloatingPointError, OSError) as err:
-        print(f"bayeswrap: error: {err}", file=sys.stderr)
+        print(f"{prefix}: error: {err}", file=sys.stderr)
         return 1
 
 

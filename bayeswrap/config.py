@@ -112,7 +112,8 @@ class RunConfig:
     batch_size: int = _f(32, "batch size")
     seed: int = _f(0, "random seed (data split, initialisation, sampling), an integer in [0, 2^32 - 1]")
     device: str = _f("auto", "auto (cuda if available), cpu, cuda, cuda:N")
-    amp: bool = _f(False, "bf16 autocast for forward passes")
+    amp: str = _f("none", "mixed precision of the training forward passes: none, bf16 (bfloat16 autocast) or fp16 "
+                  "(float16 autocast with a gradient scaler); a bare --amp, true or yes mean bf16, false means none")
     num_workers: int = _f(0, "DataLoader worker processes")
     n_bins: int = _f(15, "bins of ECE/MCE and reliability diagrams")
     # evaluation under shift and out of distribution
@@ -141,6 +142,7 @@ class RunConfig:
         """
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r} is not known; accepted: {', '.join(METHODS)}")
+        self.amp = amp_value(self.amp)  # older configs and callers: True/False
         for name, accepted in CHOICES.items():
             if getattr(self, name) not in accepted:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not known; accepted: {', '.join(accepted)}")
@@ -160,7 +162,7 @@ class RunConfig:
             raise ValueError(f"scheduler={self.scheduler!r}, warmup_epochs={self.warmup_epochs}: cyclical SGLD "
                              f"(cycles={self.cycles}) sets its own step size; accepted: scheduler=constant, "
                              f"warmup_epochs=0")
-        for name in ("overwrite", "progress", "download", "pretrained", "amp", "local_reparam"):
+        for name in ("overwrite", "progress", "download", "pretrained", "local_reparam"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not a boolean; accepted: true, false")
         check_run_name(self.run_name)
@@ -234,7 +236,26 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scheduler": ("constant", "cosine"), "predictive": ("ensemble", "gaussian"), "pred_type": ("glm", "nn"),
     "curvature": ("ggn", "fisher", "empirical_fisher"),
     "sample_dtype": ("float32", "bfloat16", "float16", "float64"),
+    "amp": ("none", "bf16", "fp16"),
 }
+
+#: spellings ``amp`` accepts, and the value each stands for (booleans: configs written before fp16 existed)
+AMP_ALIASES = {"none": "none", "false": "none", "no": "none", "off": "none", "0": "none", "fp32": "none",
+               "bf16": "bf16", "bfloat16": "bf16", "true": "bf16", "yes": "bf16", "on": "bf16", "1": "bf16",
+               "fp16": "fp16", "float16": "fp16", "half": "fp16"}
+
+
+def amp_value(value: Any) -> str:
+    """The ``amp`` option as ``"none"``, ``"bf16"`` or ``"fp16"`` (booleans: True = bf16, False = none).
+
+    Raises:
+        ValueError: naming the value and listing the accepted ones.
+    """
+    key = ("true" if value else "false") if isinstance(value, bool) else str(value).strip().lower()
+    if key not in AMP_ALIASES:
+        raise ValueError(f"amp={value!r} is not known; accepted: none, bf16, fp16 (aliases: bfloat16, float16, "
+                         f"half; true/yes/on = bf16, false/no/off = none)")
+    return AMP_ALIASES[key]
 #: numeric options: (check of a finite value, the accepted range in words)
 RANGES: dict[str, tuple[Any, str]] = {
     "epochs": (lambda v: v >= 1, "an integer >= 1"),
@@ -304,6 +325,8 @@ def coerce(name: str, value: Any) -> Any:
     if name not in FIELDS:
         raise ValueError(f"unknown option {name!r}; accepted: {', '.join(FIELDS)}")
     kind = type(FIELDS[name].default) if FIELDS[name].default is not dataclasses.MISSING else dict
+    if name == "amp" and value is not None:
+        return amp_value(value)
     if value is None:
         default = FIELDS[name].default if kind is not dict else DEFAULT_PER_METHOD
         raise ValueError(f"{name}=None (an empty value) is not valid; give a {kind.__name__} or leave the option "

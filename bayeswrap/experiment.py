@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils.data import DataLoader
 
+from . import distributed
 from .config import FIELDS, RunConfig
 from .data import DataSplits, build_transforms, load_data
 from .evaluation.shift import hold_out_classes
@@ -30,22 +31,55 @@ class EpochLoader:
     """A shuffling loader whose order depends only on (seed, epoch), so resumed runs repeat it exactly.
 
     :func:`bayeswrap.fit` calls :meth:`set_epoch` before each epoch.
+
+    Data-parallel (``num_replicas`` W > 1): ``batch_size`` is the *global*
+    batch B, a multiple of W. Every rank draws the same permutation and cuts it
+    into the same global batches as one process would; rank r loads the r-th of
+    the W equal slices of each global batch (B/W examples). The last, partial
+    global batch is split as evenly as possible (fit's batch-size-weighted
+    gradient average keeps it exact); if it has fewer than W examples it is
+    dropped on every rank. So a W-process run sees exactly the one-process
+    run's batches, except for those at most W − 1 dropped examples per epoch.
+
+    Raises:
+        ValueError: if ``batch_size`` is not a multiple of ``num_replicas``.
     """
 
-    def __init__(self, dataset, batch_size: int, seed: int, num_workers: int = 0):
+    def __init__(self, dataset, batch_size: int, seed: int, num_workers: int = 0, *, num_replicas: int = 1,
+                 rank: int = 0):
+        if batch_size % num_replicas:
+            raise ValueError(f"batch_size={batch_size} is not a multiple of the world size {num_replicas}; "
+                             f"accepted: a multiple of {num_replicas} (batch_size is the global batch, split "
+                             f"equally over the {num_replicas} processes)")
         self.dataset, self.batch_size, self.seed, self.num_workers = dataset, batch_size, seed, num_workers
+        self.num_replicas, self.rank = num_replicas, rank
         self.epoch = 0
 
     def __len__(self) -> int:
-        return (len(self.dataset) + self.batch_size - 1) // self.batch_size
+        n, b, w = len(self.dataset), self.batch_size, self.num_replicas
+        full, last = divmod(n, b)
+        return full + (1 if last >= w or (last and w == 1) else 0)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return iter(DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, generator=g,
-                               num_workers=self.num_workers))
+        if self.num_replicas == 1:
+            return iter(DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, generator=g,
+                                   num_workers=self.num_workers))
+        # DataLoader(shuffle=True, generator=g) draws its workers' base seed from g, then the permutation
+        torch.empty((), dtype=torch.int64).random_(generator=g)
+        order = torch.randperm(len(self.dataset), generator=g).tolist()
+        w, r = self.num_replicas, self.rank
+        batches = []
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start:start + self.batch_size]
+            if len(chunk) < w:
+                break
+            batches.append(chunk[r * len(chunk) // w:(r + 1) * len(chunk) // w])
+        return iter(DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
+                               generator=g))  # g, not the global generator, seeds the workers
 
 
 def eval_loader(dataset, cfg: RunConfig) -> DataLoader:
@@ -56,15 +90,26 @@ def eval_loader(dataset, cfg: RunConfig) -> DataLoader:
 def device_of(name: str) -> torch.device:
     """``auto`` (cuda if available), ``cpu``, ``cuda`` or ``cuda:N`` as a device.
 
+    Under ``torchrun`` with several processes (``WORLD_SIZE`` > 1), ``auto`` and
+    ``cuda`` mean ``cuda:LOCAL_RANK``: one GPU per process.
+
     Raises:
-        ValueError: naming the value, for anything else.
+        ValueError: naming the value, for anything else, or ``cuda:N`` under
+            torchrun with several processes.
     """
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"device={name!r} is not valid; accepted: auto, cpu, cuda, cuda:N") from None
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"device={name!r} is not valid; accepted: auto, cpu, cuda, cuda:N") from None
+    if device.type == "cuda" and distributed.env_world_size() > 1:
+        if device.index is not None:
+            raise ValueError(f"device={name!r} under torchrun with {distributed.env_world_size()} processes; "
+                             "accepted: auto or cuda (each process uses cuda:LOCAL_RANK), or cpu")
+        device = torch.device("cuda", distributed.local_rank())
+    return device
 
 
 @dataclass

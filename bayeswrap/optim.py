@@ -53,7 +53,10 @@ class SGLD(torch.optim.Optimizer):
         lr: learning rate, a finite number > 0.
         num_data: N, an integer ≥ 1, the same N as the model's ``num_data``.
         noise_scale: multiplier of the injected noise, a finite number ≥ 0.
-        generator: optional ``torch.Generator`` for the noise.
+        generator: optional ``torch.Generator`` for the noise (default: the global one).
+            A data-parallel :func:`bayeswrap.fit` gives every rank rank 0's state of
+            this generator and of the global one at the start, so every replica adds
+            the same noise and the replicas stay identical.
 
     Raises:
         ValueError: if ``lr`` is not a finite number > 0, ``num_data`` not an

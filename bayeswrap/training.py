@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
 
+from . import distributed
 from .functional import nonfinite_names
 from .methods.base import BayesianModel, batch_pair
 from .predictive import evaluate, model_device
@@ -21,13 +23,47 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         scheduler=None, early_stopping_patience: int | None = None, val_num_samples: int = 0,
         autocast_dtype: torch.dtype | None = None, grad_clip_norm: float | None = None, start_epoch: int = 0,
         on_epoch_end: Callable[[int, dict], None] | None = None, progress: bool = True,
-        finalize: bool = True, kl_schedule: Callable[[int], float] | None = None) -> list[dict]:
+        finalize: bool = True, kl_schedule: Callable[[int], float] | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None) -> list[dict]:
     """Trains any :class:`BayesianModel`: the same loop for MAP, VI, MC-dropout, SGLD and Laplace.
 
     Each step minimises ``bnn.loss(x, y).loss`` with ``optimizer`` and then
     calls ``bnn.after_step()`` (SGLD collects its moments there). After the last
     epoch it calls ``bnn.after_fit(train_loader)`` (Laplace fits its curvature
     there).
+
+    **Mixed precision.** ``autocast_dtype=torch.bfloat16`` runs the forward
+    passes under autocast and needs nothing else. ``torch.float16`` also uses a
+    gradient scaler (``grad_scaler``, by default a new
+    ``torch.amp.GradScaler(device.type)``): the loss is scaled before
+    ``backward()``, the gradients are unscaled before clipping (so
+    ``grad_clip_norm`` applies to the true gradients), and a step whose
+    gradients hold inf or NaN (fp16 overflow) is skipped and the scale lowered,
+    instead of raising; ``bnn.after_step()`` is not called for a skipped step
+    (SGLD neither counts it nor keeps its unchanged iterate). A non-finite
+    *loss* is still an error. A step counts as skipped when the scaler lowered
+    its scale (the default ``backoff_factor=0.5``).
+
+    **Data-parallel training** (``torchrun``; see :mod:`bayeswrap.distributed`):
+    when a ``torch.distributed`` process group with more than one process is
+    initialised, every rank runs this function on its own shard of each global
+    batch (e.g. a ``DataLoader`` with a ``DistributedSampler``; its
+    ``set_epoch`` is called before each epoch). At the start rank 0's
+    parameters, buffers and random state are broadcast, so the replicas start
+    equal and make the same random draws (the same SGLD noise, VI sample, IVON
+    perturbation). After each ``backward()`` the gradients are averaged over
+    ranks, weighted by each rank's batch size, so a step is the step of the
+    global batch: ``nll_mean_global + kl_weight · KL / num_data``, with the
+    KL/prior term counted once (``num_data`` stays the whole training-set size).
+    The history's training metrics are summed over ranks (global means). The
+    validation loader is evaluated on every rank and rank 0's scores are used by
+    all (pass the whole validation set to every rank). ``on_epoch_end`` runs on
+    every rank (write files only where :func:`bayeswrap.distributed.is_main_process`).
+    BatchNorm normalises with each rank's own batch statistics (for global
+    ones the model needs ``torch.nn.SyncBatchNorm``, not tested with bayeswrap);
+    its running statistics start as rank 0's and are averaged over the ranks at
+    the end of every epoch (the running mean is then the one-process one, the
+    running variance lacks the spread between the ranks' batch means).
 
     Args:
         bnn: the Bayesian model; batches are moved to its device.
@@ -42,6 +78,8 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         val_loader: optional validation batches; enables validation NLL/error in
             the history and early stopping.
         scheduler: optional LR scheduler (anything with ``step()``), stepped once per epoch.
+            Reshuffling: ``train_loader.set_epoch(epoch)`` is called before each epoch if it
+            exists, else that of its ``batch_sampler`` or ``sampler`` (a ``DistributedSampler``).
         early_stopping_patience: ``None`` or an integer ≥ 0: stop after more than this
             many epochs without a lower validation NLL and restore the best state
             (BayesDLL §5 keeps the best validation model; 0 stops at the first
@@ -49,7 +87,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         val_num_samples: S used for validation predictions, an integer ≥ 0 (0 = posterior mean).
         autocast_dtype: ``None`` (no autocast), ``torch.bfloat16`` or ``torch.float16``
             (or the string aliases ``"bf16"``/``"bfloat16"``, ``"fp16"``/``"float16"``/``"half"``)
-            to run forward passes under autocast.
+            to run forward passes under autocast; float16 adds a gradient scaler (see above).
         grad_clip_norm: ``None`` (no clipping) or the max gradient norm, a finite number > 0.
         start_epoch: first epoch index (for resuming), an integer in [0, epochs).
         on_epoch_end: ``None`` or a callback ``(epoch, record)`` after each epoch (e.g. checkpointing).
@@ -62,25 +100,32 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             an epoch the loss uses ``factor · bnn.kl_weight``; ``bnn.kl_weight``
             itself is left unchanged. Works for every method (it scales the
             KL/prior term).
+        grad_scaler: ``None`` or a ``torch.amp.GradScaler`` for ``autocast_dtype=float16``
+            (pass your own to save and restore its ``state_dict()`` in checkpoints; by
+            default fit makes one). Refused with any other ``autocast_dtype``.
 
     Returns:
         History: a list with one dict per epoch: ``epoch``, ``train_loss``,
         ``train_nll``, ``train_kl``, ``train_error`` (classification), ``lr`` (the
         first parameter group's learning rate during the epoch, before the
         scheduler steps), ``seconds``, ``kl_factor`` (the schedule's factor, 1.0 without one), and
-        ``val_nll``/``val_error`` (or ``val_rmse``) with a val loader.
+        ``val_nll``/``val_error`` (or ``val_rmse``) with a val loader. With a gradient scaler
+        (float16) also ``skipped_steps`` (steps skipped for inf/NaN gradients in the epoch)
+        and ``grad_scale`` (the scale at the end of the epoch).
 
     Raises:
         ValueError: before any step, for an option out of range (each message
             names the value and the accepted ones: ``epochs``, ``start_epoch``,
             ``early_stopping_patience``, ``val_num_samples``, ``grad_clip_norm``,
-            ``autocast_dtype``, non-callable ``kl_schedule``/``on_epoch_end``); for
+            ``autocast_dtype``, ``grad_scaler``, non-callable ``kl_schedule``/``on_epoch_end``); for
             an optimizer of the wrong class (SGLD and IVON need their own), or one
             that holds none of bnn's trainable parameters or tensors that are not
             bnn's; during training, for a batch that is not an ``(inputs, targets)``
             pair (the message says what it was), an empty loader, or targets that
-            do not fit the likelihood.
-        FloatingPointError: if the loss becomes NaN or infinite, with the cause:
+            do not fit the likelihood; data-parallel: a loader whose number of batches
+            differs between ranks.
+        FloatingPointError: if the loss becomes NaN or infinite (data-parallel: on any
+            rank; every rank raises), with the cause:
             a non-finite input (or target) batch, parameters that became non-finite
             in the last update (or were before the first), or a non-finite loss
             before any update (initialisation or prior under/overflow: a lower
@@ -103,6 +148,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
     grad_clip_norm = check_float("grad_clip_norm", grad_clip_norm, low=0.0, low_open=True, allow_none=True,
                                  note="the max gradient norm; None: no clipping")
     autocast_dtype = _autocast_dtype(autocast_dtype)
+    scaler = _check_grad_scaler(grad_scaler, autocast_dtype)
     for name, fn in (("kl_schedule", kl_schedule), ("on_epoch_end", on_epoch_end)):
         if fn is not None and not callable(fn):
             raise ValueError(f"{name}={fn!r} is not accepted; accepted: None or a callable")
@@ -113,20 +159,31 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         num_steps = (epochs - start_epoch) * len(train_loader)
     except TypeError:  # an iterable without a length
         num_steps = None
-    bnn.before_fit(num_steps, optimizer)
     device = model_device(bnn)
+    parallel = distributed.is_distributed()
+    if parallel:
+        if num_steps is not None:
+            distributed.check_same_across_ranks("len(train_loader)", len(train_loader))
+        _warn_if_not_sharded(train_loader)
+        distributed.broadcast_module_(bnn)  # identical replicas: rank 0's parameters and buffers
+        distributed.sync_random_state_(device, [getattr(optimizer, "generator", None)])  # identical draws
+    if scaler is None and autocast_dtype == torch.float16:
+        scaler = torch.amp.GradScaler(device.type)
+    bnn.before_fit(num_steps, optimizer)
     classification = bnn.likelihood.name == "categorical"
     trainable = [(n, p) for n, p in bnn.named_parameters() if p.requires_grad]
+    trainable_params = [p for _, p in trainable]
     history: list[dict] = []
     best_nll, best_state, bad_epochs, updates = math.inf, None, 0, 0
     for epoch in range(start_epoch, epochs):
         bnn.train()
         tic = time.perf_counter()
         totals = {"loss": 0.0, "nll": 0.0, "kl": 0.0, "errors": 0.0, "n": 0}
+        skipped = 0
         kl_factor = 1.0 if kl_schedule is None else check_factor(kl_schedule(epoch), "kl_schedule")
-        if hasattr(train_loader, "set_epoch"):  # e.g. DistributedSampler-style reshuffling per epoch
-            train_loader.set_epoch(epoch)
-        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}/{epochs}", disable=None if progress else True,
+        _set_epoch(train_loader, epoch)
+        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}/{epochs}",
+                   disable=None if progress and distributed.is_main_process() else True,
                    leave=False)  # None: tqdm's own check, off when stderr is not a terminal
         for step, batch in enumerate(bar):
             x, y = batch_pair(batch, f"train_loader batch {step} of epoch {epoch + 1}")
@@ -136,25 +193,46 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                                 enabled=autocast_dtype is not None):
                 out = _loss(bnn, x, y, kl_factor)
             loss_value = out.loss.item()
-            if not math.isfinite(loss_value):
+            finite = math.isfinite(loss_value)
+            if not finite and not parallel:
                 message = _diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, updates)
                 if best_state is not None:
                     bnn.load_state_dict(best_state)
                 raise FloatingPointError(message)
-            out.loss.backward()
+            (out.loss if scaler is None else scaler.scale(out.loss)).backward()
+            if parallel:  # the global batch's gradient; a non-finite loss anywhere stops every rank
+                _, all_finite = distributed.all_reduce_gradients_(trainable_params, x.shape[0], loss_finite=finite)
+                if not all_finite:
+                    message = _diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, updates) if not finite else (
+                        f"non-finite loss on another rank at epoch {epoch + 1}, step {step + 1} (this rank's "
+                        f"loss was {loss_value}); that rank's error names the cause")
+                    if best_state is not None:
+                        bnn.load_state_dict(best_state)
+                    raise FloatingPointError(message)
+            if scaler is not None:
+                scaler.unscale_(optimizer)  # clip (and step) the true gradients
             if grad_clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(bnn.parameters(), grad_clip_norm)
-            optimizer.step()
+            if scaler is None:
+                optimizer.step()
+            else:
+                scale = scaler.get_scale()
+                scaler.step(optimizer)  # skips optimizer.step() if a gradient is inf or NaN
+                scaler.update()
+                if scaler.get_scale() < scale:  # the step was skipped: no update, nothing to record
+                    skipped += 1
+                    optimizer.zero_grad(set_to_none=True)
+                    _add_totals(totals, out, loss_value, y, classification)
+                    continue
             updates += 1
             bnn.after_step()
-            b = x.shape[0]
-            totals["loss"] += loss_value * b
-            totals["nll"] += out.nll.item() * b
-            totals["kl"] += out.kl.item() * b
-            if classification:
-                totals["errors"] += (out.logits.argmax(1) != y).sum().item()
-            totals["n"] += b
+            _add_totals(totals, out, loss_value, y, classification)
             bar.set_postfix(loss=totals["loss"] / totals["n"])
+        if parallel:  # global means over every rank's examples
+            sums = distributed.all_reduce_numbers([totals[k] for k in ("loss", "nll", "kl", "errors", "n")])
+            totals = dict(zip(("loss", "nll", "kl", "errors", "n"), sums))
+            totals["n"] = int(round(totals["n"]))
+            distributed.average_(bnn.model_buffers.values())  # e.g. BatchNorm statistics of each rank's shards
         if totals["n"] == 0:
             raise ValueError("train_loader yielded no batches")
         bad = nonfinite_names(trainable)  # one reduction per tensor, one sync: catches a NaN from the last step
@@ -174,9 +252,13 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                   "lr": lr, "seconds": time.perf_counter() - tic, "kl_factor": kl_factor}
         if classification:
             record["train_error"] = totals["errors"] / totals["n"]
+        if scaler is not None:
+            record["skipped_steps"] = skipped
+            record["grad_scale"] = scaler.get_scale()
         if val_loader is not None:
             bnn.eval()
             scores = evaluate(bnn, val_loader, val_num_samples, allow_point_estimate=True)
+            scores = distributed.broadcast_object(scores)  # rank 0's: the same early-stopping decision everywhere
             record.update({f"val_{k}": v for k, v in scores.items()})
             if early_stopping_patience is not None:
                 if scores["nll"] < best_nll:
@@ -211,6 +293,51 @@ def _autocast_dtype(value) -> torch.dtype | None:
         return AUTOCAST_DTYPES[key]
     raise ValueError(f"autocast_dtype={value!r} is not accepted; accepted: None, torch.bfloat16, torch.float16, "
                      "or the aliases 'bf16'/'bfloat16' and 'fp16'/'float16'/'half'")
+
+
+def _add_totals(totals: dict, out, loss_value: float, y, classification: bool) -> None:
+    """Adds one batch's loss, NLL, KL, errors and size to the epoch totals."""
+    b = y.shape[0]
+    totals["loss"] += loss_value * b
+    totals["nll"] += out.nll.item() * b
+    totals["kl"] += out.kl.item() * b
+    if classification:
+        totals["errors"] += (out.logits.argmax(1) != y).sum().item()
+    totals["n"] += b
+
+
+def _check_grad_scaler(grad_scaler, autocast_dtype):
+    """``grad_scaler`` if it fits ``autocast_dtype`` (a GradScaler with float16), else a ValueError."""
+    if grad_scaler is None:
+        return None
+    if not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise ValueError(f"grad_scaler={grad_scaler!r} is not accepted; accepted: None or a torch.amp.GradScaler")
+    if autocast_dtype != torch.float16:
+        raise ValueError(f"grad_scaler is only used with autocast_dtype=torch.float16, got autocast_dtype="
+                         f"{autocast_dtype}; accepted: grad_scaler=None for float32 and bfloat16 (whose range "
+                         "needs no loss scaling)")
+    return grad_scaler
+
+
+def _set_epoch(loader, epoch: int) -> None:
+    """Calls ``set_epoch(epoch)`` of the loader, else of its batch sampler, else of its sampler (the first found)."""
+    for obj in (loader, getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+        if obj is not None and callable(getattr(obj, "set_epoch", None)):
+            obj.set_epoch(epoch)
+            return
+
+
+def _warn_if_not_sharded(loader) -> None:
+    """Warns (on rank 0) when a data-parallel fit gets a DataLoader that does not shard its data by rank."""
+    sampler = getattr(loader, "sampler", None)
+    if sampler is None or hasattr(loader, "set_epoch") or hasattr(getattr(loader, "batch_sampler", None),
+                                                                    "set_epoch"):
+        return
+    if not isinstance(sampler, torch.utils.data.DistributedSampler) and distributed.is_main_process():
+        warnings.warn(f"data-parallel fit (world size {distributed.world_size()}) with a DataLoader whose sampler "
+                      f"is a {type(sampler).__name__}, not a DistributedSampler: every rank may train on the same "
+                      "batches; use DataLoader(dataset, batch_size=global_batch // world_size, "
+                      "sampler=DistributedSampler(dataset))", RuntimeWarning, stacklevel=3)
 
 
 def _check_optimizer(bnn: BayesianModel, optimizer) -> None:

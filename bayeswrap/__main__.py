@@ -1,0 +1,8 @@
+"""``python -m bayeswrap ...`` (and ``torchrun --nproc_per_node=N -m bayeswrap fit ...``): the command line."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
