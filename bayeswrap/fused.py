@@ -57,6 +57,9 @@ def buckets(tensors: Sequence[torch.Tensor], max_numel: int | None = None) -> li
 
 #: elements per independently seeded stream of :func:`random_buckets` on the CPU
 RNG_CHUNK = 1 << 18
+#: :func:`random_buckets` draws at least this many elements on the CPU from parallel streams (below it, one
+#: call of the generator: the same stream as before the streams existed, so small models reproduce earlier runs)
+RNG_PARALLEL_MIN = 1 << 21
 _MASK64 = (1 << 64) - 1
 _pool_state: dict = {}
 
@@ -84,8 +87,10 @@ def random_buckets(tensors: Sequence[torch.Tensor], groups: list[list[int]], kin
                    generator: torch.Generator | None = None) -> list[torch.Tensor]:
     """One flat buffer of i.i.d. N(0, 1) (``kind="normal"``) or U[0, 1) (``"uniform"``) draws per bucket.
 
-    On a GPU, and for at most :data:`RNG_CHUNK` elements in all, each bucket is one
-    ``normal_``/``uniform_`` call of ``generator``. Otherwise on the CPU, where PyTorch's Mersenne Twister draws one element at a time
+    On a GPU, and for fewer than :data:`RNG_PARALLEL_MIN` elements in all, the
+    draws are one ``normal_``/``uniform_`` call of ``generator`` split into the
+    buckets (the stream of a single ``torch.randn``/``torch.rand`` over all the
+    tensors). Otherwise on the CPU, where PyTorch's Mersenne Twister draws one element at a time
     (about 4–5 ns per element, often the largest per-parameter cost of a
     training step), the buffers are cut into streams of :data:`RNG_CHUNK`
     elements, each with its own generator seeded from one 63-bit draw of
@@ -109,11 +114,12 @@ def random_buckets(tensors: Sequence[torch.Tensor], groups: list[list[int]], kin
     if kind not in ("normal", "uniform"):
         raise ValueError(f"kind={kind!r} is not accepted; accepted: 'normal', 'uniform'")
     ref = tensors[0]
-    flats = [torch.empty(sum(tensors[i].numel() for i in idx), device=ref.device, dtype=ref.dtype) for idx in groups]
-    if ref.device.type != "cpu" or sum(f.numel() for f in flats) <= RNG_CHUNK:
-        for flat in flats:
-            (flat.normal_ if kind == "normal" else flat.uniform_)(generator=generator)
-        return flats
+    sizes = [sum(tensors[i].numel() for i in idx) for idx in groups]
+    if ref.device.type != "cpu" or sum(sizes) < RNG_PARALLEL_MIN:  # one call of the generator, split per bucket
+        flat = torch.empty(sum(sizes), device=ref.device, dtype=ref.dtype)
+        (flat.normal_ if kind == "normal" else flat.uniform_)(generator=generator)
+        return list(flat.split(sizes))
+    flats = [torch.empty(n, device=ref.device, dtype=ref.dtype) for n in sizes]
     base = int(torch.randint(0, 2**62, (1,), generator=generator))
     pieces = [piece for flat in flats for piece in flat.split(RNG_CHUNK)]
 
@@ -212,13 +218,12 @@ class _MeanFieldBucket(torch.autograd.Function):
         grad_m = list(g)  # ∂L/∂m = g + k (m − θ̄)/σ²
         if k:
             gp = [grad_rho[i] for i in prior_pos]
-            s2 = torch._foreach_mul([rho[i] for i in prior_pos], 2.0 * kappa)
-            torch._foreach_exp_(s2)  # s² = exp(2κρ)
-            torch._foreach_add_(gp, s2, alpha=k / var0)
+            sp = torch._foreach_mul([rho[i] for i in prior_pos], kappa)
+            torch._foreach_exp_(sp)  # s = exp(κρ), recomputed (the same operations as the forward's)
+            torch._foreach_addcmul_(gp, sp, sp, value=k / var0)
             torch._foreach_add_(gp, -k)
-            gm = torch._foreach_add([g[i] for i in prior_pos], [m[i] for i in prior_pos], alpha=k / var0)
-            torch._foreach_add_(gm, prior_means, alpha=-k / var0)
-            for i, t in zip(prior_pos, gm):
+            diff = torch._foreach_sub([m[i] for i in prior_pos], prior_means)
+            for i, t in zip(prior_pos, torch._foreach_add([g[i] for i in prior_pos], diff, alpha=k / var0)):
                 grad_m[i] = t
         torch._foreach_mul_(grad_rho, kappa)
         return (None, None, *grad_m, *grad_rho)
@@ -300,8 +305,8 @@ class _DropoutBucket(torch.autograd.Function):
         out = []
         for g, z, mi, mean, c in zip(grads[:n], keep, m, means, scales):
             gm = torch.zeros_like(mi) if g is None else torch.where(z, g, 0.0)
-            if k and c:
-                gm.add_(mi, alpha=2.0 * k * c).add_(mean, alpha=-2.0 * k * c)
+            if k and c:  # the operations of the unfused reference (where's and the penalty's gradients, summed)
+                gm.add_((mi - mean).mul_(2.0 * c * k))
             out.append(gm)
         return (None, None, *out)
 

@@ -85,9 +85,10 @@ def _big_mlp():
 
 
 @pytest.mark.parametrize("method", ["vi", "mc_dropout"])
-def test_fused_equals_reference_across_buckets_and_rng_streams(method):
+def test_fused_equals_reference_across_buckets_and_rng_streams(method, monkeypatch):
     from bayeswrap import fused
 
+    monkeypatch.setattr(fused, "RNG_PARALLEL_MIN", 1 << 19)  # parallel noise streams for this 750k-element model
     model = _big_mlp().double()
     count = sum(p.numel() for p in model.parameters())
     assert count > 2 * fused.RNG_CHUNK and len(fused.buckets(list(model.parameters()))) > 2
@@ -107,13 +108,14 @@ def test_fused_equals_reference_across_buckets_and_rng_streams(method):
         torch.testing.assert_close(grads[1][1][n], grads[0][1][n], rtol=1e-10, atol=1e-12, msg=n)
 
 
-def test_random_buckets_are_iid_and_independent_of_the_thread_count():
+def test_random_buckets_are_iid_and_independent_of_the_thread_count(monkeypatch):
     from scipy import stats
 
     from bayeswrap import fused
 
-    refs = [torch.empty(700, 900), torch.empty(300), torch.empty(500, 600)]  # 930,300 elements, 4 RNG streams
+    refs = [torch.empty(1700, 900), torch.empty(300), torch.empty(500, 600)]  # 1,830,300 elements
     groups = fused.buckets(refs)
+    monkeypatch.setattr(fused, "RNG_PARALLEL_MIN", 1 << 20)  # parallel streams (7 of them) from 2^20 elements
     draws = {}
     threads = torch.get_num_threads()
     try:
@@ -127,7 +129,7 @@ def test_random_buckets_are_iid_and_independent_of_the_thread_count():
     for kind in ("normal", "uniform"):
         assert torch.equal(draws[1, kind], draws[2, kind])
     z, u = draws[1, "normal"].double(), draws[1, "uniform"].double()
-    assert z.numel() == u.numel() == 930_300
+    assert z.numel() == u.numel() == 1_830_300
     # moments within 5 standard errors, and the whole sample against the exact CDF
     assert abs(z.mean()) < 5 / z.numel() ** 0.5 and abs(z.var() - 1) < 5 * (2 / z.numel()) ** 0.5
     assert stats.kstest(z.numpy(), "norm").pvalue > 1e-4
@@ -141,3 +143,38 @@ def test_random_buckets_are_iid_and_independent_of_the_thread_count():
     assert torch.equal(again, draws[1, "normal"])
     with pytest.raises(ValueError, match="kind='gamma'.*accepted"):
         fused.random_buckets(refs, groups, "gamma")
+
+
+def test_small_requests_keep_the_single_call_stream():
+    """Below RNG_PARALLEL_MIN the draws are those of one torch.randn / torch.rand over all the tensors."""
+    from bayeswrap import fused
+
+    refs = [torch.empty(300, 500), torch.empty(7), torch.empty(400, 600)]
+    groups = fused.buckets(refs)
+    assert len(groups) > 1
+    for kind, draw in (("normal", torch.randn), ("uniform", torch.rand)):
+        torch.manual_seed(3)
+        ours = torch.cat(fused.random_buckets(refs, groups, kind))
+        torch.manual_seed(3)
+        torch.testing.assert_close(ours, draw(sum(t.numel() for t in refs)), rtol=0, atol=0)
+
+
+def test_sample_from_parallel_streams_has_the_posterior_moments(monkeypatch):
+    """bnn.sample on the CPU path of large models: exact N(m, s²) draws, reproducible with a generator."""
+    from bayeswrap import fused
+
+    monkeypatch.setattr(fused, "RNG_PARALLEL_MIN", 1 << 10)
+    torch.manual_seed(0)
+    bnn = bw.wrap(nn.Sequential(nn.Linear(30, 40), nn.Tanh(), nn.Linear(40, 3)), "vi", num_data=100, init_std=0.1)
+    with torch.no_grad():
+        for r in bnn.rho.values():
+            r.mul_(1 + 0.3 * torch.rand_like(r))  # unequal stds
+    draws = bnn.sample(2000, generator=torch.Generator().manual_seed(4))
+    again = bnn.sample(2000, generator=torch.Generator().manual_seed(4))
+    mean, std = bnn.posterior_mean(), bnn.posterior_std()
+    for n, d in draws.items():
+        assert d.shape == (2000, *mean[n].shape) and torch.equal(d, again[n])
+        z = (d - mean[n]) / std[n]  # standardised: N(0, 1) elementwise
+        assert abs(z.mean()) < 5 / z.numel() ** 0.5
+        assert abs(z.std(0).mean() - 1) < 5 / (2 * 2000 * z[0].numel()) ** 0.5
+        assert (z.mean(0).abs() < 5 / 2000**0.5).all()

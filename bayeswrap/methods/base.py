@@ -31,6 +31,7 @@ from ..functional import NamedTensors, ParamSelector, call, nonfinite_names, sel
 from ..likelihoods import at_least_float32, make_likelihood
 from ..checks import SCALE_RANGE, check_float, check_int, check_scale
 from ..layers import LRTLayer, find_lrt_layers, lrt_copy
+from .. import fused
 from ..priors import GaussianPrior
 
 METHODS: dict[str, type[BayesianModel]] = {}
@@ -404,6 +405,13 @@ class BayesianModel(nn.Module, ABC):
         """
         num_samples = check_int("num_samples", num_samples, minimum=1)
         mean, std = self.posterior_mean(), self.posterior_std()
+        ref = next(iter(mean.values()))
+        if ref.device.type == "cpu" and num_samples * sum(m.numel() for m in mean.values()) >= fused.RNG_PARALLEL_MIN:
+            # large models on the CPU: parallel noise streams (bayeswrap.fused.random_buckets), θ written in place
+            eps = fused.standard_normal_like([m.expand(num_samples, *m.shape) for m in mean.values()], generator)
+            if torch.is_grad_enabled():  # differentiable draws (e.g. a training sample): out of place
+                return {n: m + std[n] * e for (n, m), e in zip(mean.items(), eps)}
+            return {n: e.mul_(std[n]).add_(m) for (n, m), e in zip(mean.items(), eps)}
         out = {}
         for n, m in mean.items():
             eps = torch.randn((num_samples, *m.shape), generator=generator, device=m.device, dtype=m.dtype)
