@@ -77,7 +77,8 @@ class Categorical:
         if y.shape != outputs.shape[:1]:
             raise ValueError(f"labels have shape {tuple(y.shape)}, expected ({outputs.shape[0]},)")
         k = outputs.shape[1]
-        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= k):
+        if y.numel() and not (0 <= (bounds := torch.stack(torch.aminmax(y)).tolist())[0] and bounds[1] < k):
+            # one device sync per call (min and max read together)
             bad = y[(y < 0) | (y >= k)][0].item()
             raise ValueError(f"class label {bad} is out of range; accepted: integers in [0, {k - 1}]")
 

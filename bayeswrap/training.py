@@ -228,6 +228,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             bnn.after_step()
             _add_totals(totals, out, loss_value, y, classification)
             bar.set_postfix(loss=totals["loss"] / totals["n"])
+        totals = _totals_as_floats(totals)
         if parallel:  # global means over every rank's examples
             sums = distributed.all_reduce_numbers([totals[k] for k in ("loss", "nll", "kl", "errors", "n")])
             totals = dict(zip(("loss", "nll", "kl", "errors", "n"), sums))
@@ -296,14 +297,24 @@ def _autocast_dtype(value) -> torch.dtype | None:
 
 
 def _add_totals(totals: dict, out, loss_value: float, y, classification: bool) -> None:
-    """Adds one batch's loss, NLL, KL, errors and size to the epoch totals."""
+    """Adds one batch's loss, NLL, KL, errors and size to the epoch totals.
+
+    The NLL, KL and error sums stay float64 tensors on the device (no sync per
+    step; the same double-precision arithmetic as Python floats);
+    :func:`_totals_as_floats` reads them once per epoch.
+    """
     b = y.shape[0]
     totals["loss"] += loss_value * b
-    totals["nll"] += out.nll.item() * b
-    totals["kl"] += out.kl.item() * b
+    totals["nll"] += out.nll.detach().double() * b
+    totals["kl"] += out.kl.detach().double() * b
     if classification:
-        totals["errors"] += (out.logits.argmax(1) != y).sum().item()
+        totals["errors"] += (out.logits.argmax(1) != y).sum()
     totals["n"] += b
+
+
+def _totals_as_floats(totals: dict) -> dict:
+    """The epoch totals as Python numbers (one device sync per total)."""
+    return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in totals.items()}
 
 
 def _check_grad_scaler(grad_scaler, autocast_dtype):

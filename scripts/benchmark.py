@@ -411,7 +411,7 @@ def step_section(args, device: torch.device, bdl=None) -> dict:
             print(f"step: {key}", flush=True)
             r = time_steps(sub, name, device, bdl)
             r.update(model=name, batch_size=bs)
-            if not args.no_memory:
+            if not args.no_memory and (not args.memory_models or name in args.memory_models.split(",")):
                 r["peak_mib"] = {m: peak_memory(sub, name, m, device, bdl) for m in r["methods"]}
             results[key] = r
             print(json.dumps({k: r[k] for k in ("ratio", "ours_over_theirs", "peak_mib") if k in r}), flush=True)
@@ -804,6 +804,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--memory-models", default="", help="comma-separated models whose peak memory is measured "
+                                                           "(default: every model of the step section)")
     p.add_argument("--sections", default="step,curvature,mlp_epoch,predict")
     p.add_argument("--bayesdll-src", default=None, metavar="PATH",
                    help="a BayesDLL checkout (github.com/SamsungLabs/BayesDLL) to compare with, imported at run time")

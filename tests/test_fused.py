@@ -178,3 +178,20 @@ def test_sample_from_parallel_streams_has_the_posterior_moments(monkeypatch):
         assert abs(z.mean()) < 5 / z.numel() ** 0.5
         assert abs(z.std(0).mean() - 1) < 5 / (2 * 2000 * z[0].numel()) ** 0.5
         assert (z.mean(0).abs() < 5 / 2000**0.5).all()
+
+
+def test_vi_posterior_std_cache_follows_rho():
+    torch.manual_seed(0)
+    bnn = bw.wrap(nn.Sequential(nn.Linear(4, 3)), "vi", num_data=10, init_std=0.1).eval()
+    with torch.no_grad():
+        first = bnn.posterior_std()
+        assert bnn.posterior_std() is first  # cached in eval mode
+        bnn.rho["0.weight"].add_(0.5)  # an in-place update (as an optimizer step) invalidates it
+        second = bnn.posterior_std()
+        assert second is not first
+        torch.testing.assert_close(second["0.weight"], torch.exp(bnn.log_std_scale * bnn.rho["0.weight"]))
+        bnn.load_state_dict({k: v + 0.1 if "rho" in k else v for k, v in bnn.state_dict().items()})
+        torch.testing.assert_close(bnn.posterior_std()["0.bias"], torch.exp(bnn.log_std_scale * bnn.rho["0.bias"]))
+    assert bnn.posterior_std()["0.weight"].requires_grad  # with autograd: never cached
+    bnn.train()
+    assert "_std_cache" not in bnn.__dict__

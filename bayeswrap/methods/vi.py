@@ -182,5 +182,22 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
         return self.mean.as_dict()
 
     def posterior_std(self):
-        """s = exp(κ ρ), ``{name: tensor}``."""
-        return {n: torch.exp(self.log_std_scale * r) for n, r in self.rho.items()}
+        """s = exp(κ ρ), ``{name: tensor}``.
+
+        In eval mode without autograd (predictions) the result is cached until ρ
+        changes (tracked by the tensors' version counters), so repeated
+        ``predict`` calls skip one pass over the parameters; ``train()`` drops
+        the cache.
+        """
+        if self.training or torch.is_grad_enabled():
+            return {n: torch.exp(self.log_std_scale * r) for n, r in self.rho.items()}
+        key = (self.log_std_scale, tuple((r.data_ptr(), r._version) for r in self.rho.values()))
+        cached = self.__dict__.get("_std_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, {n: torch.exp(self.log_std_scale * r) for n, r in self.rho.items()})
+            self.__dict__["_std_cache"] = cached
+        return cached[1]
+
+    def train(self, mode: bool = True):
+        self.__dict__.pop("_std_cache", None)
+        return super().train(mode)
