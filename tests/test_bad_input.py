@@ -677,6 +677,9 @@ def test_initial_nan_output_is_diagnosed_as_the_initial_state():
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(3, 2)
+            with torch.no_grad():  # negative pre-activations for every input, whatever the RNG state
+                self.lin.weight.zero_()
+                self.lin.bias.fill_(-1.0)
 
         def forward(self, x):
             return self.lin(x).log()  # NaN for negative pre-activations, before any update
