@@ -300,7 +300,7 @@ def make_step(model: torch.nn.Module, method: str, device: torch.device, amp: bo
         return step
     kind, options = method, {}
     if method == "sgld":
-        options = {"burn_in": 0, "thinning": 1}
+        options = {"burn_in": 0, "thinning": 10}  # the default thinning, past burn-in: a draw every 10th step
     elif method == "vi_lrt":
         kind, options = "vi", {"local_reparam": True}
     bnn = bw.wrap(model, kind, num_data=NUM_DATA, prior_std=PRIOR_STD, **options).to(device).train()
@@ -668,8 +668,8 @@ def markdown(result: dict) -> str:
                   "its own `Runner.train_one_epoch` loop: `runner.model(...)` (their `Model.forward`: sampling into "
                   "the workhorse net, forward, backward, prior/KL gradients) then `runner.optimizer.step()` (their "
                   "torch SGD, momentum 0.9, the same lr), on the same model weights and batch, in the same rounds; "
-                  "per-batch bookkeeping (train error, tqdm) excluded; SGLD: burn-in steps (bayeswrap's SGLD "
-                  "collects moments every step, thinning=1).", ""]
+                  "per-batch bookkeeping (train error, tqdm) excluded; SGLD: burn-in steps (bayeswrap's SGLD is "
+                  "past burn-in and keeps a draw every 10th step, its default thinning).", ""]
     if result.get("step"):
         lines += ["## Training step: time and peak memory (ratios to plain)", "",
                   "| model | params (M) | method | step | ratio | " + ("CPU-time ratio | " if device_is_cpu else "")
