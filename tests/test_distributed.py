@@ -276,6 +276,10 @@ def test_cli_refuses_under_torchrun_what_does_not_run_data_parallel(tmp_path, mo
         bw_experiment_loader(_data()[0], 33, 0, num_replicas=2, rank=0)
     with pytest.raises(ValueError, match="does not run data-parallel"):
         distributed.refuse("method='hmc'", "its chains run on the whole training set")
+    torch.manual_seed(0)
+    hmc = bw.wrap(torch.nn.Linear(4, 2), "hmc", num_data=10)
+    with pytest.raises(ValueError, match="run_chains does not run data-parallel"):
+        hmc.run_chains(torch.randn(10, 4), torch.arange(10) % 2, num_samples=5, num_warmup=5)
 
 
 def test_helpers_are_no_ops_without_a_process_group():

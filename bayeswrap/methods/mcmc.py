@@ -43,6 +43,7 @@ from abc import abstractmethod
 import torch
 from torch.func import grad_and_value, vmap
 
+from .. import distributed
 from ..checks import check_float, check_int
 from ..functional import NamedTensors
 from ..samples import SampleStore, spread_indices
@@ -243,8 +244,11 @@ class FullBatchMCMC(BayesianModel):
 
         Raises:
             ValueError: for a bad option, inputs and targets of different lengths,
-                an ``init`` of the wrong shape, or a non-finite initial potential.
+                an ``init`` of the wrong shape, or a non-finite initial potential; under
+                ``torchrun`` (a world size > 1), where every rank would run the same chains.
         """
+        distributed.refuse("run_chains", "the chains run on the whole training set in one process, with no "
+                           "minibatches to shard (under torchrun every rank would run the same chains)")
         num_samples = check_int("num_samples", num_samples, minimum=0)
         num_warmup = check_int("num_warmup", num_warmup, minimum=0)
         chains = self.num_chains if num_chains is None else check_int("num_chains", num_chains, minimum=1)
