@@ -8,6 +8,8 @@ posterior mean, a batch of samples under ``vmap``) can be plugged in.
 
 from __future__ import annotations
 
+import weakref
+
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Union
@@ -165,7 +167,26 @@ def call(model: nn.Module, params: Mapping[str, torch.Tensor], buffers: Mapping[
         Whatever ``model.forward`` returns.
     """
     args = x if isinstance(x, tuple) else (x,)
-    return functional_call(model, (dict(params), dict(buffers)), args, tie_weights=True, strict=False)
+    return functional_call(model, (dict(params), dict(buffers)), args, tie_weights=_has_tied_tensors(model),
+                           strict=False)
+
+
+_TIED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _has_tied_tensors(model: nn.Module) -> bool:
+    """Whether a tensor of ``model`` is registered under several names (cached per module).
+
+    ``functional_call(tie_weights=True)`` then gives every alias the tensor
+    passed for one of them; for a module without aliases the tie bookkeeping
+    (a walk over all its names on every call) is skipped.
+    """
+    tied = _TIED.get(model)
+    if tied is None:
+        tied = (len(list(model.named_parameters(remove_duplicate=False))) != len(list(model.named_parameters()))
+                or len(list(model.named_buffers(remove_duplicate=False))) != len(list(model.named_buffers())))
+        _TIED[model] = tied
+    return tied
 
 
 def nonfinite_names(tensors: Iterable[tuple[str, torch.Tensor]], nan_only: Callable[[str], bool] | None = None
