@@ -421,7 +421,7 @@ class _Sums:
         self.total = {n: torch.zeros_like(t) for n, t in theta.items()}
 
     def start(self, m, batch, f):
-        pass
+        """Per-batch set-up of the accumulator protocol: the sums need none (:class:`_RowNorms` keeps rows)."""
 
     def rows_of(self, name, g, sl, owned=False):  # g: (m, c, *shape)
         self.total[name] += _squared(g, owned).sum((0, 1))

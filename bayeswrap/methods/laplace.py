@@ -317,8 +317,8 @@ class Laplace(MAP):
         return engine if engine.usable else None
 
     def _ggn_diagonal_vmap(self, x: torch.Tensor, theta) -> dict[str, torch.Tensor]:
-        """:meth:`ggn_diagonal` by vmap over examples (the reference of ``curvature_backend="vmap"``)."""
-        theta = {n: t.detach() for n, t in (theta or self.theta.as_dict()).items()}
+        """:meth:`ggn_diagonal` by vmap over examples (the reference of ``curvature_backend="vmap"``), at ``theta``
+        (detached, as :meth:`ggn_diagonal` passes it)."""
         categorical = self.likelihood.name == "categorical"
         total = {n: torch.zeros_like(t) for n, t in theta.items()}
 
