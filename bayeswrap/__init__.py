@@ -4,33 +4,33 @@
 >>> bnn = bw.wrap(model, "vi", num_data=len(train_set), prior_std=1.0)
 >>> history = bw.fit(bnn, train_loader, epochs=10, optimizer=torch.optim.SGD(bnn.parameters(), lr=1e-2))
 >>> probs = bnn.predict(x, num_samples=5)   # posterior predictive, (B, K)
+
+The package is layered; imports point down this list only (checked by
+import-linter in CI): ``app`` → ``training`` → ``methods`` → ``predictive`` →
+``optim``, ``data``, ``evaluation`` → ``core``.
 """
 
-from . import optim
-from .methods import (
-    IVON,
-    MAP,
-    METHODS,
-    SGLD,
-    VI,
-    BayesianModel,
-    KingmaVD,
-    Laplace,
-    LossOutput,
-    MCDropout,
-    NotFittedError,
-    SparseVD,
-    method_options,
-    wrap,
-)
-from . import calibration, diagnostics, evaluation, samples, schedules, sparsity, tuning, uncertainty  # isort: skip  (after .methods: sparsity imports methods.base)
-from .schedules import KLSchedule  # isort: skip
-from .predictive import evaluate, predict_loader, sample_probs_loader
-from .runs import load_run
-from .training import fit
+from bayeswrap import _compat
 
-__version__ = "0.1.0"
+_compat.install()  # old module paths (bayeswrap.core.functional, bayeswrap.app.cli, ...) keep working
 
-__all__ = ["wrap", "fit", "evaluate", "predict_loader", "sample_probs_loader", "BayesianModel", "LossOutput", "NotFittedError", "METHODS",
-           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "IVON", "SparseVD", "KingmaVD", "optim", "schedules", "KLSchedule",
-           "sparsity", "calibration", "diagnostics", "evaluation", "uncertainty", "samples", "tuning", "load_run", "__version__"]
+from bayeswrap import calibration, evaluation, optim, uncertainty
+from bayeswrap._version import __version__
+from bayeswrap.app.runs import load_run
+from bayeswrap.core import samples, schedules
+from bayeswrap.core.schedules import KLSchedule
+from bayeswrap.evaluation import convergence as diagnostics
+from bayeswrap.evaluation import tuning
+from bayeswrap.methods import METHODS, BayesianModel, LossOutput, NotFittedError, method_options, sparsity, wrap
+from bayeswrap.predictive import evaluate, predict_loader, sample_probs_loader
+from bayeswrap.training import fit
+
+#: the method classes, one public name each, derived from the registry
+for _cls in dict.fromkeys(METHODS.values()):
+    globals()[_cls.__name__] = _cls
+del _cls
+
+__all__ = ["wrap", "fit", "evaluate", "predict_loader", "sample_probs_loader", "BayesianModel", "LossOutput",
+           "NotFittedError", "METHODS", "method_options", *(c.__name__ for c in dict.fromkeys(METHODS.values())),
+           "optim", "schedules", "KLSchedule", "sparsity", "calibration", "diagnostics", "evaluation",
+           "uncertainty", "samples", "tuning", "load_run", "__version__"]

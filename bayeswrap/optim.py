@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .checks import check_float, check_int
+from bayeswrap.core.checks import check_float, check_int
 
 
 class SGLD(torch.optim.Optimizer):

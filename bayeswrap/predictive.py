@@ -8,13 +8,17 @@ loader and scores it.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from .evaluation import calibration
-from .likelihoods import at_least_float32
-from .methods.base import BayesianModel, batch_pair, check_inputs_finite
-from .checks import check_int
+from bayeswrap.core.batches import batch_pair, check_inputs_finite
+from bayeswrap.core.checks import check_int
+from bayeswrap.core.likelihoods import at_least_float32
+from bayeswrap.evaluation import calibration
+
+if TYPE_CHECKING:  # a type only: any object with the BayesianModel.predict interface works
+    from bayeswrap.methods.base import BayesianModel
 
 
 def model_device(bnn: BayesianModel) -> torch.device:

@@ -13,12 +13,13 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from . import distributed
-from .functional import nonfinite_names
-from .methods.base import BayesianModel, batch_pair
-from .predictive import evaluate, model_device
-from .checks import check_float, check_int
-from .schedules import check_factor
+from bayeswrap.core import distributed
+from bayeswrap.core.batches import batch_pair
+from bayeswrap.core.checks import check_float, check_int
+from bayeswrap.core.functional import nonfinite_names
+from bayeswrap.core.schedules import check_factor
+from bayeswrap.methods.base import BayesianModel
+from bayeswrap.predictive import evaluate, model_device
 
 
 def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim.Optimizer, val_loader=None,
@@ -46,7 +47,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
     *loss* is still an error. A step counts as skipped when the scaler lowered
     its scale (the default ``backoff_factor=0.5``).
 
-    **Data-parallel training** (``torchrun``; see :mod:`bayeswrap.distributed`):
+    **Data-parallel training** (``torchrun``; see :mod:`bayeswrap.core.distributed`):
     when a ``torch.distributed`` process group with more than one process is
     initialised, every rank runs this function on its own shard of each global
     batch (e.g. a ``DataLoader`` with a ``DistributedSampler``; its
@@ -60,7 +61,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
     The history's training metrics are summed over ranks (global means). The
     validation loader is evaluated on every rank and rank 0's scores are used by
     all (pass the whole validation set to every rank). ``on_epoch_end`` runs on
-    every rank (write files only where :func:`bayeswrap.distributed.is_main_process`).
+    every rank (write files only where :func:`bayeswrap.core.distributed.is_main_process`).
     BatchNorm normalises with each rank's own batch statistics (for global
     ones the model needs ``torch.nn.SyncBatchNorm``, not tested with bayeswrap);
     its running statistics start as rank 0's and are averaged over the ranks at
@@ -98,7 +99,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             its curvature). Pass False to finalise later, e.g. on a reloaded
             best checkpoint.
         kl_schedule: optional KL annealing, a callable ``epoch -> factor`` (0-based
-            epoch, factor ≥ 0), e.g. :class:`bayeswrap.schedules.KLSchedule`. During
+            epoch, factor ≥ 0), e.g. :class:`bayeswrap.core.schedules.KLSchedule`. During
             an epoch the loss uses ``factor · bnn.kl_weight``; ``bnn.kl_weight``
             itself is left unchanged. Works for every method (it scales the
             KL/prior term).

@@ -16,11 +16,11 @@ returns a ``(B,)`` tensor; ``bw.calibration.predictive_entropy`` takes an
 averaged ``(N, K)`` predictive.
 """
 
-from .evaluation.ood import *  # noqa: F401,F403
-from .evaluation.ood import __all__ as _ood_names
-from .evaluation.selective import *  # noqa: F401,F403
-from .evaluation.selective import __all__ as _selective_names
-from .evaluation.uncertainty import *  # noqa: F401,F403
-from .evaluation.uncertainty import __all__ as _uncertainty_names
+from bayeswrap.evaluation.ood import *  # noqa: F401,F403
+from bayeswrap.evaluation.ood import __all__ as _ood_names
+from bayeswrap.evaluation.selective import *  # noqa: F401,F403
+from bayeswrap.evaluation.selective import __all__ as _selective_names
+from bayeswrap.evaluation.uncertainty import *  # noqa: F401,F403
+from bayeswrap.evaluation.uncertainty import __all__ as _uncertainty_names
 
 __all__ = [*_uncertainty_names, *_ood_names, *_selective_names]

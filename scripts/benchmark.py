@@ -58,7 +58,8 @@ import torch
 import torch.nn.functional as F
 
 import bayeswrap as bw
-from bayeswrap.io import write_json, write_text
+from bayeswrap.app import experiments as ex
+from bayeswrap.core.io import write_json, write_text
 
 METHODS = ("plain", "map", "vi", "vi_lrt", "ivon", "mc_dropout", "sgld")
 BAYESDLL_STEP_METHODS = ("vi", "mc_dropout", "sgld")
@@ -126,8 +127,7 @@ def digits_loader(num_train: int, batch_size: int):
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:num_train]
     data = torch.utils.data.TensorDataset(torch.as_tensor(x, dtype=torch.float32)[perm] / 16.0,
                                           torch.as_tensor(y)[perm])
-    return torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True,
-                                       generator=torch.Generator().manual_seed(0))
+    return ex.shuffled_loader(data, batch_size, seed=0)
 
 
 def sync(device: torch.device) -> None:
@@ -355,7 +355,8 @@ def time_steps(args, name: str, device: torch.device, bdl=None) -> dict:
 def peak_memory(args, name: str, method: str, device: torch.device, bdl=None) -> float:
     """Peak memory in MiB of a training step: CUDA max-allocated, or on CPU the resident-set high-water
     mark of a fresh child process during its second step (after resetting it; it includes the model,
-    gradients, optimizer state and the ~torch runtime)."""
+    gradients, optimizer state and the ~torch runtime).
+    """
     if device.type == "cuda":
         model = make_model(name, args.img_size)
         x, y = batch(name, args.batch_size, args.img_size, device)
@@ -433,7 +434,8 @@ def naive_fisher(model, x, y):
 @contextlib.contextmanager
 def prior_dominated_ok():
     """Silences ``fit_curvature``'s "posterior variance is mostly the prior's" warning (expected here:
-    untrained models, random data, one batch); other warnings still show."""
+    untrained models, random data, one batch); other warnings still show.
+    """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="the Laplace posterior variance", category=RuntimeWarning)
         yield
@@ -767,7 +769,7 @@ def markdown(result: dict) -> str:
 
 def figure(result: dict, path: str) -> None:
     """Step-time ratios to plain against model size, one line per method and batch size."""
-    from bayeswrap.plots import _new_figure, save_figure
+    from bayeswrap.evaluation.plots import _new_figure, save_figure
 
     fig = _new_figure(figsize=(6, 4))
     ax = fig.subplots()

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bayeswrap import cli
+from bayeswrap.app import cli
 
 COPIES = {
     "comparison.md": "compare_digits.md",

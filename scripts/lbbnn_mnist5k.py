@@ -67,10 +67,8 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -82,13 +80,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import bayeswrap as bw  # noqa: E402
-from bayeswrap.data import load_data  # noqa: E402
-from bayeswrap.functional import is_bias  # noqa: E402
-from bayeswrap.io import write_json, write_text  # noqa: E402
-from bayeswrap.plots import _new_figure, save_figure  # noqa: E402
+from bayeswrap.app import experiments as ex  # noqa: E402
+from bayeswrap.core.functional import is_bias  # noqa: E402
+from bayeswrap.core.io import write_json, write_text  # noqa: E402
+from bayeswrap.data.datasets import load_data  # noqa: E402
+from bayeswrap.evaluation.plots import _new_figure, save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "lbbnn_mnist5k"
@@ -170,22 +168,13 @@ def build_mlp(seed: int) -> nn.Module:
     return net
 
 
-def _subset(x: torch.Tensor, y: torch.Tensor, limit: int | None, seed: int = 0):
-    if limit is None or limit >= len(y):
-        return x, y
-    idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:limit]
-    return x[idx], y[idx]
-
-
 def mnist5k(cfg: dict) -> dict:
     """mnist5k train / validation / test tensors (flat 784-vectors in [0, 1], int64 labels)."""
     splits = load_data("mnist5k", flatten=True, val_fraction=cfg["val_fraction"], seed=0)
     out = {}
     for name, ds, limit in (("train", splits.train, cfg["train_subset"]), ("val", splits.val, cfg["test_subset"]),
                             ("test", splits.test, cfg["test_subset"])):
-        x = torch.as_tensor(ds.inputs, dtype=torch.float32)
-        y = torch.as_tensor(ds.targets, dtype=torch.long)
-        out[name] = _subset(x, y, limit)
+        out[name] = ex.split_tensors(ds, limit)
     return out
 
 
@@ -194,11 +183,6 @@ def wrap_table_method(name: str, model: nn.Module, num_data: int) -> bw.Bayesian
     method, options = TABLE_METHODS[name]
     extra = {**LBBNN_COMMON, **options} if method == "lbbnn" else dict(options)
     return bw.wrap(model, method, num_data=num_data, prior_std=1.0, prior_mean="zero", **extra)
-
-
-def _loader(x, y, batch_size: int, seed: int) -> DataLoader:
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,
-                      generator=torch.Generator().manual_seed(seed))
 
 
 def train_table_method(name: str, data: dict, lr: float, epochs: int, cfg: dict, seed: int):
@@ -213,7 +197,7 @@ def train_table_method(name: str, data: dict, lr: float, epochs: int, cfg: dict,
     init_logit = ({n: t.detach().clone() for n, t in bnn.logit.items()} if hasattr(bnn, "logit") else {})
     optimizer = torch.optim.Adam(bnn.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[max(1, epochs // 2)], gamma=0.1)
-    history = bw.fit(bnn, _loader(x, y, cfg["batch_size"], seed), epochs=epochs, optimizer=optimizer,
+    history = bw.fit(bnn, ex.shuffled_loader((x, y), cfg["batch_size"], seed), epochs=epochs, optimizer=optimizer,
                      scheduler=scheduler, progress=False)
     return bnn, history, init_logit
 
@@ -228,12 +212,7 @@ def predict_probs(bnn: bw.BayesianModel, x: torch.Tensor, num_samples: int, mode
     return torch.cat(parts)
 
 
-def _accuracy(probs: torch.Tensor, y: torch.Tensor) -> float:
-    return float((probs.argmax(1) == y).double().mean())
-
-
-def _nll(probs: torch.Tensor, y: torch.Tensor) -> float:
-    return float(-torch.log(probs[torch.arange(len(y)), y].double().clamp_min(1e-12)).mean())
+_accuracy, _nll = ex.top1_accuracy, ex.mean_nll
 
 
 def _adam_budget(history: list[dict], steps_per_epoch: int) -> float:
@@ -272,7 +251,8 @@ def choose_lr(data: dict, cfg: dict, log=print) -> tuple[float, dict, tuple]:
 
 def weight_std_median(bnn: bw.BayesianModel) -> float:
     """Median posterior std of the weights (not biases): σ̃ = softplus(ρ) of the included weights (α̃ > 0.5) for
-    an LBBNN (the slab's std), the marginal posterior std for VI."""
+    an LBBNN (the slab's std), the marginal posterior std for VI.
+    """
     with torch.no_grad():
         if hasattr(bnn, "logit"):
             alpha = bnn.inclusion_probs()
@@ -358,7 +338,7 @@ def _mmm(values) -> dict | None:
 
 
 def summarise_runs(runs: list[dict]) -> dict:
-    """min / median / max over seeds of the accuracies; medians of the density and of the seconds per epoch."""
+    """Min / median / max over seeds of the accuracies; medians of the density and of the seconds per epoch."""
     return {"mpm_accuracy": _mmm(r["mpm_accuracy"] for r in runs),
             "full_accuracy": _mmm(r["full_accuracy"] for r in runs),
             "density": {"median": float(np.median([r["density"] for r in runs]))},
@@ -456,7 +436,7 @@ def run_variable_selection(cfg: dict, log=print) -> dict:
                           init_inclusion_logit=cfg["init_inclusion_logit"], init_rho=cfg["init_rho"],
                           flow_hidden=cfg["flow_hidden"])
             tic = time.perf_counter()
-            history = bw.fit(bnn, _loader(x, y, cfg["batch_size"], d), epochs=cfg["epochs"],
+            history = bw.fit(bnn, ex.shuffled_loader((x, y), cfg["batch_size"], d), epochs=cfg["epochs"],
                              optimizer=torch.optim.Adam(bnn.parameters(), lr=cfg["lr"]), progress=False)
             alpha = bnn.inclusion_probs()["linear.weight"].detach().reshape(-1).numpy()
             tpr, fpr = tpr_fpr(alpha > 0.5, truth)
@@ -526,7 +506,7 @@ def run_clusters(cfg: dict, log=print) -> dict:
             samples = 0
         torch.manual_seed(1)
         tic = time.perf_counter()
-        bw.fit(bnn, _loader(x, y, cfg["batch_size"], 0), epochs=cfg["epochs"],
+        bw.fit(bnn, ex.shuffled_loader((x, y), cfg["batch_size"], 0), epochs=cfg["epochs"],
                optimizer=torch.optim.Adam(bnn.parameters(), lr=cfg["lr"]), progress=False)
         with torch.no_grad():
             gen = torch.Generator().manual_seed(7)
@@ -944,9 +924,9 @@ def write_outputs(data: dict, cfg: dict, out: Path, *, fast: bool, runtime: floa
         "runtime_seconds": runtime,
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
-        "config": _jsonable(cfg),
+        "config": ex.jsonable(cfg),
         "epoch_scale": f"{cfg['epochs']} of the paper's {PAPER['epochs']} epochs",
-        "lbbnn_options": _jsonable(LBBNN_COMMON),
+        "lbbnn_options": ex.jsonable(LBBNN_COMMON),
         "sizes": sizes,
         "num_parameters": data["num_parameters"],
         "lr": data["lr"],
@@ -958,14 +938,6 @@ def write_outputs(data: dict, cfg: dict, out: Path, *, fast: bool, runtime: floa
         "paper": PAPER,
     })
     return md_path, json_path, png_path
-
-
-def _jsonable(obj):
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (tuple, list)):
-        return [_jsonable(v) for v in obj]
-    return obj
 
 
 # --------------------------------------------------------------------------- CLI
@@ -992,11 +964,9 @@ def run_experiment(cfg: dict, log=print) -> dict:
             "clusters": cl, "timing": timing(table)}
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", type=Path, default=ROOT / "figures", help="output folder")
-    p.add_argument("--fast", action="store_true", help="smoke test: small subsets, 2 seeds, 1 epoch")
+def parse_args(argv: list[str] | None):
+    p = ex.experiment_parser(__doc__.split("\n\n")[0], out_default=ROOT / "figures",
+                             fast_help="smoke test: small subsets, 2 seeds, 1 epoch")
     p.add_argument("--seeds", default=None, help="comma-separated seeds for Table 1 (default: 0,1,2; fast: 0,1)")
     p.add_argument("--epochs", type=int, default=None,
                    help=f"training epochs for Table 1 (default: {FULL['epochs']}; fast: {FAST['epochs']})")
@@ -1005,7 +975,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     """Runs the experiment; returns ``{"data": {...}, "paths": (md, json, png), "runtime": s}``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = ex.script_argv(argv)
     args = parse_args(argv)
     cfg = dict(FAST if args.fast else FULL)
     if args.seeds:

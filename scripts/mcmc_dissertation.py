@@ -19,7 +19,7 @@ approximate methods, on data that ship with the dependencies:
      warm-up iterations, 16 leapfrog steps.
    Chains start from independent prior draws. Table: posterior mean and std
    of each parameter, acceptance rates, rank-normalised split R-hat, bulk and
-   tail ESS (:mod:`bayeswrap.diagnostics`), seconds; the same HMC run repeated
+   tail ESS (:mod:`bayeswrap.evaluation.convergence`), seconds; the same HMC run repeated
    with other numbers of leapfrog steps (``leapfrog_sweep``), each with a fixed
    and with the default jittered trajectory length, since the ESS of a
    fixed-length trajectory depends strongly on it. Figure: posterior
@@ -45,10 +45,8 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -58,13 +56,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import bayeswrap as bw  # noqa: E402
-from bayeswrap import diagnostics as diag  # noqa: E402
-from bayeswrap.data import load_data  # noqa: E402
-from bayeswrap.io import write_json, write_text  # noqa: E402
-from bayeswrap.plots import _new_figure, save_figure  # noqa: E402
+from bayeswrap.app import experiments as ex  # noqa: E402
+from bayeswrap.core.io import write_json, write_text  # noqa: E402
+from bayeswrap.data.datasets import load_data  # noqa: E402
+from bayeswrap.evaluation import convergence as diag  # noqa: E402
+from bayeswrap.evaluation.plots import _new_figure, save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGISTIC, DIGITS = "mcmc_logistic", "mcmc_digits"
@@ -367,7 +365,7 @@ def logistic_markdown(res: dict, data: dict, cfg: dict, header: list[str]) -> st
         "adapted to acceptance 0.234 in warm-up), as the dissertation's PyMC3 Metropolis run "
         f"({lc['mh']['draws']:,} steps, {lc['mh']['warmup']} burn-in); HMC: `bw.wrap(model, \"hmc\")`. Chains "
         "start from independent prior draws. R-hat: rank-normalised split R-hat; ESS: bulk and tail "
-        "(Vehtari et al. 2021, `bayeswrap.diagnostics`).",
+        "(Vehtari et al. 2021, `bayeswrap.evaluation.convergence`).",
         "",
         "## Posterior of the parameters",
         "",
@@ -414,25 +412,16 @@ def logistic_markdown(res: dict, data: dict, cfg: dict, header: list[str]) -> st
 
 # =========================================================================== part 2: BNN on digits
 
-def build_mlp(hidden: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10))
+build_mlp = ex.tanh_mlp  # MLP 64-hidden-10 with tanh
 
 
 def digits_data(subset: int | None, seed: int):
+    """``(x, y, (x_test, y_test))``: a seeded ``subset`` of the digits training split, and the whole test split."""
     splits = load_data("digits", val_fraction=0.0, seed=seed)
-    x = torch.as_tensor(splits.train.inputs, dtype=torch.float32)
-    y = torch.as_tensor(splits.train.targets, dtype=torch.long)
-    if subset is not None and subset < len(y):
-        idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:subset]
-        x, y = x[idx], y[idx]
-    return x, y, (torch.as_tensor(splits.test.inputs, dtype=torch.float32),
-                  torch.as_tensor(splits.test.targets, dtype=torch.long))
+    return (*ex.split_tensors(splits.train, subset, seed), ex.split_tensors(splits.test))
 
 
-def _scores(probs: torch.Tensor, labels: torch.Tensor) -> dict:
-    probs = probs.double()
-    return {"accuracy": float((probs.argmax(1) == labels).double().mean()),
-            "nll": float(-probs[torch.arange(len(labels)), labels].clamp_min(1e-12).log().mean())}
+_scores = ex.accuracy_nll
 
 
 def digits_hmc(x, y, x_test, y_test, dc: dict, seed: int) -> dict:
@@ -480,14 +469,8 @@ def digits_trained(method: str, x, y, x_test, y_test, dc: dict, seed: int) -> di
     try:
         bnn = bw.wrap(build_mlp(dc["hidden"]), method, num_data=len(y), prior_std=dc["prior_std"],
                       prior_mean="zero", **opts)
-        if method == "sgld":
-            opt = bw.optim.SGLD(bnn.param_groups(), lr=dc["sgld_lr"], num_data=len(y))
-            opt_name = f"bw.optim.SGLD(lr={dc['sgld_lr']})"
-        else:
-            opt = torch.optim.Adam(bnn.param_groups(), lr=dc["lr"])
-            opt_name = f"Adam(lr={dc['lr']})"
-        loader = DataLoader(TensorDataset(x, y), batch_size=dc["batch_size"], shuffle=True,
-                            generator=torch.Generator().manual_seed(seed))
+        opt, opt_name = ex.make_optimizer(bnn, dc)  # SGLD for sgld, else Adam
+        loader = ex.shuffled_loader((x, y), dc["batch_size"], seed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             bw.fit(bnn, loader, epochs=dc["epochs"], optimizer=opt, progress=False)
@@ -517,7 +500,7 @@ def run_digits(cfg: dict, seed: int, log=print) -> dict:
 
 
 def _f(v, fmt=".4f") -> str:
-    return "failed" if v is None or not math.isfinite(v) else format(v, fmt)
+    return ex.fmt_or_failed(v, fmt)
 
 
 def digits_markdown(res: dict, cfg: dict, header: list[str]) -> str:
@@ -593,11 +576,9 @@ def digits_markdown(res: dict, cfg: dict, header: list[str]) -> str:
 
 # =========================================================================== CLI
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", type=Path, default=ROOT / "figures", help="output folder")
-    p.add_argument("--fast", action="store_true", help="smoke test: short chains, a digits subset, a few epochs")
+def parse_args(argv: list[str] | None):
+    p = ex.experiment_parser(__doc__.split("\n\n")[0], out_default=ROOT / "figures",
+                             fast_help="smoke test: short chains, a digits subset, a few epochs")
     p.add_argument("--parts", default="logistic,digits", help="comma-separated subset of logistic,digits")
     return p.parse_args(argv)
 
@@ -610,7 +591,7 @@ def _header(argv: list[str], fast: bool, seconds: float, what: str) -> list[str]
 
 def main(argv: list[str] | None = None) -> dict:
     """Runs the requested parts; returns ``{"paths": [...], "runtime": s, part: json data}``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = ex.script_argv(argv)
     args = parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     bad = [p for p in parts if p not in ("logistic", "digits")]

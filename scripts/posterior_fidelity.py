@@ -19,7 +19,7 @@ HMC's on test inputs. Here at a size that runs on a 2-core CPU:
   adaptation iterations (dual-averaging step size, diagonal mass matrix) and
   ``draws`` kept draws of ``leapfrog`` leapfrog steps each, full batch. Its
   posterior predictive averages every kept draw of every chain.
-* **Convergence.** Rank-normalised split R-hat (:mod:`bayeswrap.diagnostics`)
+* **Convergence.** Rank-normalised split R-hat (:mod:`bayeswrap.evaluation.convergence`)
   (a) of the per-chain predictive probabilities p(y = k | x, θ) for every test
   point and class (the meaningful one: a BNN's parameters have permutation and
   sign symmetries, so chains in different but equivalent modes give large
@@ -52,10 +52,8 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -64,13 +62,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must 
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import bayeswrap as bw  # noqa: E402
-from bayeswrap import diagnostics as diag  # noqa: E402
-from bayeswrap.data import load_data  # noqa: E402
-from bayeswrap.io import write_json, write_text  # noqa: E402
+from bayeswrap.app import experiments as ex  # noqa: E402
+from bayeswrap.core.io import write_json, write_text  # noqa: E402
+from bayeswrap.data.datasets import load_data  # noqa: E402
+from bayeswrap.evaluation import convergence as diag  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "posterior_fidelity"
@@ -109,9 +106,7 @@ FAST = {
 
 # --------------------------------------------------------------------------- data and model
 
-def build_model(hidden: int) -> nn.Module:
-    """MLP 64-``hidden``-10 with tanh (PyTorch's default initialisation, from the global generator)."""
-    return nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10))
+build_model = ex.tanh_mlp  # MLP 64-hidden-10 with tanh (PyTorch's default initialisation, global generator)
 
 
 def digits_subset(n_train: int, n_test: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -131,16 +126,7 @@ def digits_subset(n_train: int, n_test: int, seed: int) -> tuple[torch.Tensor, .
 
 # --------------------------------------------------------------------------- scores
 
-def scores(probs: torch.Tensor, labels: torch.Tensor, ref: torch.Tensor | None = None) -> dict:
-    """Accuracy, NLL and, against a reference predictive ``ref``, top-1 agreement and mean total variation."""
-    probs = probs.double()
-    out = {"accuracy": float((probs.argmax(1) == labels).double().mean()),
-           "nll": float(-probs[torch.arange(len(labels)), labels].clamp_min(1e-12).log().mean())}
-    if ref is not None:
-        ref = ref.double()
-        out["agreement"] = float((probs.argmax(1) == ref.argmax(1)).double().mean())
-        out["tv"] = float(0.5 * (probs - ref).abs().sum(1).mean())
-    return out
+scores = ex.prediction_scores  # accuracy, NLL and, against HMC's predictive, top-1 agreement and mean TV
 
 
 def _quantiles(t: torch.Tensor) -> dict:
@@ -209,7 +195,7 @@ def run_hmc(x, y, x_test, cfg: dict, log=print) -> tuple[torch.Tensor, dict]:
 
 def available_methods() -> list[str]:
     """The methods of :data:`CANDIDATE_METHODS` that ``bw.METHODS`` holds now."""
-    return [m for m in CANDIDATE_METHODS if m in bw.METHODS]
+    return ex.registered_methods(CANDIDATE_METHODS)
 
 
 def wrap_options(method: str, cfg: dict) -> dict:
@@ -222,20 +208,6 @@ def wrap_options(method: str, cfg: dict) -> dict:
     return {}
 
 
-def make_optimizer(bnn, cfg: dict) -> tuple[torch.optim.Optimizer, str]:
-    """The method's own optimizer if it needs one (``bnn.required_optimizer``), else Adam."""
-    required = bnn.required_optimizer
-    if required is None:
-        return torch.optim.Adam(bnn.param_groups(), lr=cfg["lr"]), f"Adam(lr={cfg['lr']})"
-    if required is getattr(bw.optim, "SGLD", None):
-        return (required(bnn.param_groups(), lr=cfg["sgld_lr"], num_data=bnn.num_data),
-                f"bw.optim.SGLD(lr={cfg['sgld_lr']})")
-    if required is getattr(bw.optim, "IVON", None):
-        return (required(bnn.param_groups(), lr=cfg["ivon_lr"], beta2=cfg["ivon_beta2"]),
-                f"bw.optim.IVON(lr={cfg['ivon_lr']}, beta2={cfg['ivon_beta2']})")
-    raise ValueError(f"method {bnn.method!r} needs optimizer {required.__name__}, which this script cannot build")
-
-
 def run_method(method: str, x, y, x_test, y_test, ref: torch.Tensor, cfg: dict, log=print) -> dict:
     """Trains one approximate method and scores its predictive against HMC's (a failure is recorded)."""
     tic = time.perf_counter()
@@ -243,9 +215,8 @@ def run_method(method: str, x, y, x_test, y_test, ref: torch.Tensor, cfg: dict, 
     try:
         bnn = bw.wrap(build_model(cfg["hidden"]), method, num_data=len(y), prior_std=cfg["prior_std"],
                       prior_mean="zero", **wrap_options(method, cfg))
-        optimizer, opt_name = make_optimizer(bnn, cfg)
-        loader = DataLoader(TensorDataset(x, y), batch_size=cfg["batch_size"], shuffle=True,
-                            generator=torch.Generator().manual_seed(cfg["seed"]))
+        optimizer, opt_name = ex.make_optimizer(bnn, cfg)
+        loader = ex.shuffled_loader((x, y), cfg["batch_size"], cfg["seed"])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             bw.fit(bnn, loader, epochs=cfg["epochs"], optimizer=optimizer, progress=False)
@@ -273,8 +244,7 @@ def run_method(method: str, x, y, x_test, y_test, ref: torch.Tensor, cfg: dict, 
 TABLE_HEADER = "| method | TV to HMC ↓ | top-1 agreement ↑ | accuracy | NLL | S | seconds |"
 
 
-def _f(v, fmt=".3f") -> str:
-    return "failed" if v is None or not math.isfinite(v) else format(v, fmt)
+_f = ex.fmt_or_failed
 
 
 def sorted_methods(rows: dict) -> list[str]:
@@ -399,11 +369,9 @@ def markdown(res: dict, cfg: dict, fast: bool, argv: list[str], runtime: float) 
 
 # --------------------------------------------------------------------------- CLI
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", type=Path, default=ROOT / "figures", help="output folder")
-    p.add_argument("--fast", action="store_true", help="smoke test: small subsets, short chains, a few epochs")
+def parse_args(argv: list[str] | None):
+    p = ex.experiment_parser(__doc__.split("\n\n")[0], out_default=ROOT / "figures",
+                             fast_help="smoke test: small subsets, short chains, a few epochs")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated subset of {','.join(CANDIDATE_METHODS)} (default: every one registered)")
     return p.parse_args(argv)
@@ -411,15 +379,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     """Runs the experiment; returns ``{"result": {...}, "paths": (md, json), "runtime": s}``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = ex.script_argv(argv)
     args = parse_args(argv)
-    methods = available_methods()
-    if args.methods:
-        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-        unknown = [m for m in wanted if m not in methods]
-        if unknown:
-            raise SystemExit(f"method(s) {unknown} not available; choose from {', '.join(methods)}")
-        methods = wanted
+    methods = ex.select_methods(args.methods, available_methods())
     cfg = FAST if args.fast else FULL
     torch.set_num_threads(min(2, torch.get_num_threads()))
     tic = time.perf_counter()

@@ -73,10 +73,8 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import sys
 import time
 import warnings
 from collections import OrderedDict
@@ -92,10 +90,11 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import bayeswrap as bw  # noqa: E402
-from bayeswrap.data import load_data  # noqa: E402
+from bayeswrap.app import experiments as ex  # noqa: E402
+from bayeswrap.core.io import write_json, write_text  # noqa: E402
+from bayeswrap.data.datasets import load_data  # noqa: E402
 from bayeswrap.evaluation import calibration as cal  # noqa: E402
-from bayeswrap.io import write_json, write_text  # noqa: E402
-from bayeswrap.plots import _new_figure, save_figure  # noqa: E402
+from bayeswrap.evaluation.plots import _new_figure, save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEM = "pretrained_prior_digits"
@@ -157,11 +156,7 @@ def build_model() -> nn.Module:
 
 def _tensors(ds, limit: int | None = None, seed: int = 0) -> TensorDataset:
     """An :class:`~bayeswrap.data.ArrayDataset` split as a TensorDataset (a seeded subset of ``limit`` items)."""
-    x, y = ds.inputs, torch.as_tensor(ds.targets, dtype=torch.long)
-    if limit is not None and limit < len(y):
-        idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:limit]
-        x, y = x[idx], y[idx]
-    return TensorDataset(x, y)
+    return TensorDataset(*ex.split_tensors(ds, limit, seed))
 
 
 def pretrain(cfg: dict, log=print) -> tuple[dict[str, torch.Tensor], dict]:
@@ -181,7 +176,7 @@ def pretrain(cfg: dict, log=print) -> tuple[dict[str, torch.Tensor], dict]:
     test = _tensors(splits.test)
     torch.manual_seed(0)
     net = bw.wrap(build_model(), "map", num_data=len(train), prior_std=None)  # no prior: a plain network
-    loader = DataLoader(train, batch_size=cfg["batch_size"], shuffle=True, generator=torch.Generator().manual_seed(0))
+    loader = ex.shuffled_loader(train, cfg["batch_size"], seed=0)
     bw.fit(net, loader, epochs=cfg["epochs"], optimizer=torch.optim.Adam(net.param_groups(), lr=cfg["lr"]),
            progress=False)
     scores = bw.evaluate(net, DataLoader(test, batch_size=1000), num_samples=0)
@@ -243,7 +238,7 @@ def few_label_splits(y: torch.Tensor, label_counts, val_per_class: int, test_per
 
 def available_methods() -> list[str]:
     """The methods of :data:`CANDIDATE_METHODS` that ``bw.METHODS`` holds now."""
-    return [m for m in CANDIDATE_METHODS if m in bw.METHODS]
+    return ex.registered_methods(CANDIDATE_METHODS)
 
 
 def wrap_options(method: str, cfg: dict) -> dict:
@@ -263,20 +258,6 @@ def wrap_options(method: str, cfg: dict) -> dict:
             options["link_approx"] = "mc"
         return options
     return {}
-
-
-def make_optimizer(bnn: bw.BayesianModel, cfg: dict) -> tuple[torch.optim.Optimizer, str]:
-    """The method's own optimizer if it needs one (``bnn.required_optimizer``), else Adam at the common lr."""
-    required = bnn.required_optimizer
-    groups = bnn.param_groups()
-    if required is None:
-        return torch.optim.Adam(groups, lr=cfg["lr"]), f"Adam(lr={cfg['lr']})"
-    if required is getattr(bw.optim, "SGLD", None):
-        return required(groups, lr=cfg["sgld_lr"], num_data=bnn.num_data), f"bw.optim.SGLD(lr={cfg['sgld_lr']})"
-    if required is getattr(bw.optim, "IVON", None):
-        return (required(groups, lr=cfg["ivon_lr"], beta2=cfg["ivon_beta2"]),
-                f"bw.optim.IVON(lr={cfg['ivon_lr']}, beta2={cfg['ivon_beta2']})")
-    raise ValueError(f"method {bnn.method!r} needs optimizer {required.__name__}, which this script cannot build")
 
 
 def fine_tune(method: str, setting: str, train: TensorDataset, pretrained: dict, *, prior_std: float,
@@ -302,9 +283,8 @@ def fine_tune(method: str, setting: str, train: TensorDataset, pretrained: dict,
         model.load_state_dict(pretrained)
     bnn = bw.wrap(model, method, num_data=len(train), prior_std=prior_std,
                   prior_mean="init" if setting == "init" else "zero", **wrap_options(method, cfg))
-    optimizer, opt_name = make_optimizer(bnn, cfg)
-    loader = DataLoader(train, batch_size=cfg["batch_size"], shuffle=True,
-                        generator=torch.Generator().manual_seed(seed))
+    optimizer, opt_name = ex.make_optimizer(bnn, cfg)
+    loader = ex.shuffled_loader(train, cfg["batch_size"], seed)
     epochs = max(1, round(cfg["steps"] / len(loader)))
     tic = time.perf_counter()
     with warnings.catch_warnings():
@@ -325,7 +305,8 @@ def score(bnn: bw.BayesianModel, data: TensorDataset, num_samples: int, cfg: dic
 
 def posterior_spread(bnn: bw.BayesianModel, pretrained: dict) -> dict:
     """Mean posterior std over all parameters, and the RMS distance of the posterior mean from the pretrained
-    weights and from zero (diagnostics: how broad the posterior is and where it sits)."""
+    weights and from zero (diagnostics: how broad the posterior is and where it sits).
+    """
     with torch.no_grad():
         std = torch.cat([s.reshape(-1) for s in bnn.posterior_std().values()])
         mean = bnn.posterior_mean()
@@ -633,7 +614,8 @@ def effect(results: dict) -> dict:
 
 def plot(data: dict, path: Path) -> None:
     """Test NLL per method, bars grouped by setting (mean ± std over seeds): one row per σ, one column per
-    label count."""
+    label count.
+    """
     results = data["results"]
     sigmas = list(results)
     counts = list(results[sigmas[0]])
@@ -785,11 +767,9 @@ def write_outputs(data: dict, cfg: dict, out: Path, *, fast: bool, runtime: floa
 
 # --------------------------------------------------------------------------- CLI
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", type=Path, default=ROOT / "figures", help="output folder")
-    p.add_argument("--fast", action="store_true", help="smoke test: tiny subsets, one seed, a few steps")
+def parse_args(argv: list[str] | None):
+    p = ex.experiment_parser(__doc__.split("\n\n")[0], out_default=ROOT / "figures",
+                             fast_help="smoke test: tiny subsets, one seed, a few steps")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated subset of {','.join(CANDIDATE_METHODS)} (default: every one registered)")
     return p.parse_args(argv)
@@ -797,15 +777,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     """Runs the experiment; returns ``{"data": {...}, "paths": (md, json, png), "runtime": s}``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = ex.script_argv(argv)
     args = parse_args(argv)
-    methods = available_methods()
-    if args.methods:
-        wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
-        unknown = [m for m in wanted if m not in methods]
-        if unknown:
-            raise SystemExit(f"method(s) {unknown} not available; choose from {', '.join(methods)}")
-        methods = wanted
+    methods = ex.select_methods(args.methods, available_methods())
     cfg = FAST if args.fast else FULL
     tic = time.perf_counter()
     data = run_experiment(cfg, methods)

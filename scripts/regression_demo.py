@@ -34,7 +34,6 @@ Small models run faster single-threaded on CPU, so the script sets
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -45,8 +44,9 @@ import torch
 from torch import nn
 
 import bayeswrap as bw
-from bayeswrap.io import write_json, write_text
-from bayeswrap.plots import save_figure
+from bayeswrap.app import experiments as ex
+from bayeswrap.core.io import write_json, write_text
+from bayeswrap.evaluation.plots import save_figure
 
 NOISE_STD = 0.02
 # ε also enters inside the sines, so the targets scatter around the noise-free curve with the
@@ -63,7 +63,7 @@ REGIONS = ("gap", "data", "extrapolation")
 
 
 def curve(x: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """y = x + 0.3 sin(2π(x + ε)) + 0.3 sin(4π(x + ε)) + ε (shapes as ``x``)."""
+    """Y = x + 0.3 sin(2π(x + ε)) + 0.3 sin(4π(x + ε)) + ε (shapes as ``x``)."""
     return x + 0.3 * torch.sin(2 * math.pi * (x + eps)) + 0.3 * torch.sin(4 * math.pi * (x + eps)) + eps
 
 
@@ -330,11 +330,8 @@ def run(test_mode: bool = False, out_dir="figures", seed: int = 0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--test-mode", action="store_true", help="tiny run (seconds) for the tests")
-    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[1] / "figures"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser = ex.test_mode_parser(__doc__.split("\n\n")[0], out_default=Path(__file__).resolve().parents[1] / "figures",
+                                 test_help="tiny run (seconds) for the tests")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     res = run(args.test_mode, args.out_dir, args.seed)

@@ -32,7 +32,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import copy
 import fnmatch
 import json
@@ -44,12 +43,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import bayeswrap as bw
-from bayeswrap.data import load_data
-from bayeswrap.io import write_json, write_text
-from bayeswrap.plots import save_figure
+from bayeswrap.app import experiments as ex
+from bayeswrap.core.io import write_json, write_text
+from bayeswrap.data.datasets import load_data
+from bayeswrap.evaluation.plots import save_figure
 
 SAMPLE_COUNTS = (1, 5, 20, 100)
 
@@ -70,7 +69,7 @@ def lenet_300_100() -> nn.Module:
 
 
 def small_vit(depth: int) -> nn.Module:
-    """timm's ViT-Tiny layout (192 wide, 3 heads) with ``depth`` blocks, 32×32 grey input, 8×8 patches."""
+    """Timm's ViT-Tiny layout (192 wide, 3 heads) with ``depth`` blocks, 32×32 grey input, 8×8 patches."""
     import timm
 
     return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, in_chans=1,
@@ -92,11 +91,6 @@ def tensors(flatten: bool, img_size: int | None, subset: int | None):
     return xtr, ytr, xte, yte
 
 
-def loader(x, y, batch_size: int, seed: int) -> DataLoader:
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,
-                      generator=torch.Generator().manual_seed(seed))
-
-
 @torch.no_grad()
 def accuracy(bnn: bw.BayesianModel, x, y, num_samples: int = 0, seed: int = 0, batch: int = 1024) -> float:
     """Test accuracy of the T-sample posterior predictive (T = 0: the posterior mean)."""
@@ -114,7 +108,8 @@ def pretrain(model: nn.Module, x, y, epochs: int, lr: float, batch_size: int, se
     det = bw.wrap(model, "map", num_data=len(x), prior_std=None)
     opt = torch.optim.Adam(det.parameters(), lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs)
-    bw.fit(det, loader(x, y, batch_size, seed), epochs=epochs, optimizer=opt, scheduler=sched, progress=False)
+    bw.fit(det, ex.shuffled_loader((x, y), batch_size, seed), epochs=epochs, optimizer=opt, scheduler=sched,
+           progress=False)
     return bw.sparsity.to_deterministic(det)
 
 
@@ -124,7 +119,7 @@ def train_variational(base: nn.Module, method: str, x, y, *, epochs: int, lr: fl
     torch.manual_seed(seed)
     bnn = bw.wrap(base, method, num_data=len(x), **options)
     opt = torch.optim.Adam(bnn.parameters(), lr)
-    history = bw.fit(bnn, loader(x, y, batch_size, seed), epochs=epochs, optimizer=opt, progress=False,
+    history = bw.fit(bnn, ex.shuffled_loader((x, y), batch_size, seed), epochs=epochs, optimizer=opt, progress=False,
                      kl_schedule=bw.schedules.KLSchedule(warmup, ramp))
     return bnn, history
 
@@ -333,11 +328,8 @@ def run(test_mode: bool = False, out_dir="figures", seed: int = 0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--test-mode", action="store_true", help="tiny epochs and data (seconds), for the tests")
-    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[1] / "figures"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser = ex.test_mode_parser(__doc__.split("\n\n")[0], out_default=Path(__file__).resolve().parents[1] / "figures",
+                                 test_help="tiny epochs and data (seconds), for the tests")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     res = run(args.test_mode, args.out_dir, args.seed)

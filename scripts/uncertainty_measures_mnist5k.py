@@ -51,9 +51,7 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -69,10 +67,11 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import bayeswrap as bw  # noqa: E402
-from bayeswrap.data import load_data  # noqa: E402
+from bayeswrap.app import experiments as ex  # noqa: E402
+from bayeswrap.core.io import write_json, write_text  # noqa: E402
+from bayeswrap.data.datasets import load_data  # noqa: E402
 from bayeswrap.evaluation import uncertainty as unc  # noqa: E402
-from bayeswrap.io import write_json, write_text  # noqa: E402
-from bayeswrap.plots import _new_figure, save_figure  # noqa: E402
+from bayeswrap.evaluation.plots import _new_figure, save_figure  # noqa: E402
 from bayeswrap.predictive import sample_probs_loader  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,11 +120,7 @@ def build_model(name: str) -> nn.Module:
 
 def _subset(ds, n: int | None, seed: int) -> TensorDataset:
     """A TensorDataset of an ArrayDataset split; the first ``n`` of a seeded permutation if ``n`` is given."""
-    x, y = ds.inputs, torch.as_tensor(np.asarray(ds.targets), dtype=torch.long)
-    if n is not None and n < len(y):
-        idx = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:n]
-        x, y = x[idx], y[idx]
-    return TensorDataset(x, y)
+    return TensorDataset(*ex.split_tensors(ds, n, seed))
 
 
 def load_splits(model: str, seed: int, fast: bool) -> dict[str, TensorDataset]:
@@ -188,8 +183,7 @@ def run_model(name: str, cfg: dict, *, seed: int, num_samples: int, fast: bool, 
     bnn = bw.wrap(model, "vi", num_data=len(train), prior_std=cfg["prior_std"], prior_mean=cfg["prior_mean"],
                   kl_weight=cfg["kl_weight"], init_std=cfg["init_std"], chunk_size=cfg["chunk_size"])
     optimizer = torch.optim.Adam(bnn.param_groups(), lr=cfg["lr"])
-    loader = DataLoader(train, batch_size=cfg["batch_size"], shuffle=True,
-                        generator=torch.Generator().manual_seed(seed))
+    loader = ex.shuffled_loader(train, cfg["batch_size"], seed)
     history = bw.fit(bnn, loader, epochs=cfg["epochs"], optimizer=optimizer, progress=False)
     t_train = time.perf_counter() - tic
     last = history[-1]
@@ -493,23 +487,21 @@ def write_outputs(results: dict, out: Path, *, fast: bool, runtime: float, argv:
     return md_path, json_path, png_path
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def parse_args(argv: list[str] | None):
+    p = ex.experiment_parser(__doc__.split("\n\n")[0], out_default=ROOT / "figures",
+                             fast_help="smoke test: 2 epochs, K = 20, data subsets")
     p.add_argument("--models", default="mlp,cnn", help="comma-separated subset of mlp,cnn")
     p.add_argument("--num-samples", type=int, default=None,
                    help=f"K posterior samples per image for every model (default per model: {FULL_NUM_SAMPLES}; "
                         f"{FAST_NUM_SAMPLES} with --fast)")
     p.add_argument("--epochs", type=int, default=None, help="training epochs for every model (default per model)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split, initialisation and sampling")
-    p.add_argument("--out", type=Path, default=ROOT / "figures", help="output folder")
-    p.add_argument("--fast", action="store_true", help="smoke test: 2 epochs, K = 20, data subsets")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Runs the experiment; returns ``{"models": {...}, "paths": (md, json, png), "runtime": s}``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = ex.script_argv(argv)
     args = parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in models:

@@ -113,11 +113,7 @@ def damage_file(path, kind: str) -> bool:
 
 
 def load_script(filename: str):
-    """Imports ``scripts/<filename>`` as a module (the scripts folder is not a package)."""
-    import importlib.util
+    """The module ``scripts.<stem>`` of ``scripts/<filename>`` (``scripts`` is a package on pytest's pythonpath)."""
+    import importlib
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / filename
-    spec = importlib.util.spec_from_file_location(f"_script_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"scripts.{Path(filename).stem}")

@@ -11,10 +11,10 @@ import yaml
 from torch.utils.data import DataLoader, TensorDataset
 
 import bayeswrap as bw
-from bayeswrap import cli
 from bayeswrap import optim as bw_optim
-from bayeswrap.config import RunConfig, amp_value, load_run_config, resolve
-from bayeswrap.io import load_checkpoint
+from bayeswrap.app import cli
+from bayeswrap.app.config import RunConfig, amp_value, load_run_config, resolve
+from bayeswrap.core.io import load_checkpoint
 
 CLI_FAST = ["--progress", "false", "--batch-size", "64", "--shift-rotations", "", "--shift-noise", "",
             "--num-samples", "0", "--device", "cpu"]

@@ -41,7 +41,7 @@ def _fit(bnn, batches=None, optimizer=None, **kwargs):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"method": "nuts"}, r"method='nuts' is not known; accepted: \('map', 'vi', 'mc_dropout', 'sgld', 'laplace'"),
+    ({"method": "nuts"}, r"method='nuts' is not known; accepted: \('map', 'vi', 'ivon', 'mc_dropout', 'sgld', 'laplace'"),
     ({"likelihood": "poisson"}, r"likelihood='poisson' is not known; accepted: \('categorical', 'gaussian'\)"),
     ({"bias": "gaussian"}, r"bias='gaussian' is not accepted by method 'vi'; accepted: \('informative', 'uninf"),
     ({"prior_std": 0.0}, r"prior_std=0.0 must be a number in \[1e-18, 1e\+18\]"),
@@ -123,19 +123,19 @@ def test_unknown_curvature():
     ("ood_classes", "-1", r"ood_classes='-1': '-1' is not valid"),
 ])
 def test_evaluation_options_rejected_before_anything_runs(option, value, match):
-    from bayeswrap.config import resolve
+    from bayeswrap.app.config import resolve
 
     with pytest.raises(ValueError, match=match):
         resolve(None, {option: value})
 
 
 def test_held_out_classes_out_of_range_or_all(tmp_path):
-    import bayeswrap.cli as cli
+    import bayeswrap.app.cli as cli
 
     assert cli.main(["fit", "--ood-classes", "3,12", "--epochs", "1", "--out-dir", str(tmp_path)]) == 2
     assert not (tmp_path / "digits-mlp-vi").exists()  # refused before the run folder is made
-    from bayeswrap.data import load_data
-    from bayeswrap.evaluation.shift import hold_out_classes
+    from bayeswrap.data.datasets import load_data
+    from bayeswrap.data.shift import hold_out_classes
 
     with pytest.raises(ValueError, match=r"12"):
         hold_out_classes(load_data("digits"), [3, 12])
@@ -144,7 +144,7 @@ def test_held_out_classes_out_of_range_or_all(tmp_path):
 
 
 def test_yaml_lists_for_list_options(tmp_path):
-    from bayeswrap.config import resolve
+    from bayeswrap.app.config import resolve
 
     path = tmp_path / "c.yaml"
     path.write_text("shift_rotations: [0, 90]\nshift_noise: []\nood_classes: [1, 2]\n")

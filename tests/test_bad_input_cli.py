@@ -9,9 +9,9 @@ import re
 import numpy as np
 import pytest
 import torch
-
-import bayeswrap.cli as cli
 from conftest import damage_file
+
+import bayeswrap.app.cli as cli
 
 FAST = ["--epochs", "1", "--batch-size", "64", "--shift-rotations", "0", "--shift-noise", "0",
         "--progress", "false"]
@@ -29,11 +29,12 @@ FLAG_CASES = [
     (["--seed", "abc"], r"seed='abc' is not an integer"),
     (["--num-samples", "-1"], r"num_samples='-1' is out of range; accepted: an integer >= 0"),
     (["--num-samples", "2.7"], r"num_samples='2.7' is not an integer"),
-    (["--num-train-samples", "2.7"], r"num_train_samples='2.7' is not an integer"),
-    (["--num-train-samples", "0"], r"num_train_samples='0' is out of range; accepted: an integer >= 1"),
-    (["--thinning", "0"], r"thinning='0' is out of range"),
-    (["--max-samples", "-1"], r"max_samples='-1' is out of range"),
-    (["--cycles", "-1"], r"cycles='-1' is out of range"),
+    (["--num-train-samples", "2.7"], r"num_train_samples=2.7 is not an integer"),
+    (["--num-train-samples", "0"], r"num_train_samples=0 must be an integer >= 1"),
+    (["--method", "sgld", "--thinning", "0"], r"thinning=0 must be an integer >= 1"),
+    (["--thinning", "2"], r"thinning is not an option of method 'vi' \(it is an option of sgld, mh, hmc\)"),
+    (["--method", "sgld", "--max-samples", "-1"], r"max_samples=-1 must be an integer >= 0"),
+    (["--method", "sgld", "--cycles", "-1"], r"cycles=-1 must be None or an integer >= 1"),
     (["--n-bins", "0"], r"n_bins='0' is out of range"),
     (["--num-workers", "-1"], r"num_workers='-1' is out of range"),
     (["--img-size", "-1"], r"img_size='-1' is out of range"),
@@ -57,16 +58,16 @@ FLAG_CASES = [
     (["--prior-std", "inf"], r"prior_std=inf is out of range"),
     (["--kl-weight", "-1"], r"kl_weight=-1.0 is out of range"),
     (["--num-data-inflate", "0"], r"num_data_inflate=0.0 is out of range"),
-    (["--init-std", "1e-300"], r"init_std=1e-300 is out of range"),
-    (["--p-drop", "1"], r"p_drop=1.0 is out of range; accepted: a number in \[0, 1\)"),
+    (["--init-std", "1e-300"], r"init_std=1e-300 must be a number in \[1e-18, 1e\+18\]"),
+    (["--method", "mc_dropout", "--p-drop", "1"], r"p_drop=1.0 must be a number in \[0, 1\)"),
     (["--noise-scale", "-1"], r"noise_scale=-1.0 is out of range"),
-    (["--exploration", "1"], r"exploration=1.0 is out of range"),
+    (["--method", "sgld", "--exploration", "1"], r"exploration=1.0 must be a number in \[0, 1\)"),
     (["--optimizer", "adam"], r"optimizer='adam' is not known; accepted: sgd, adamw"),
     (["--scheduler", "step"], r"scheduler='step' is not known; accepted: constant, cosine"),
-    (["--predictive", "mean"], r"predictive='mean' is not known; accepted: ensemble, gaussian"),
-    (["--pred-type", "linear"], r"pred_type='linear' is not known; accepted: glm, nn"),
-    (["--curvature", "kfac"], r"curvature='kfac' is not known; accepted: ggn, fisher, empirical_fisher"),
-    (["--sample-dtype", "int8"], r"sample_dtype='int8' is not known; accepted: float32, bfloat16"),
+    (["--method", "sgld", "--predictive", "mean"], r"predictive='mean' is not accepted; accepted: \('ensemble', 'gaussian'\)"),
+    (["--method", "laplace", "--pred-type", "linear"], r"pred_type='linear' is not known; accepted: \('glm', 'nn'\)"),
+    (["--method", "laplace", "--curvature", "kfac"], r"curvature='kfac' is not known; accepted: \('ggn', 'fisher', 'empirical_fisher'\)"),
+    (["--method", "sgld", "--sample-dtype", "int8"], r"sample_dtype='int8' is not accepted; accepted: None, \('float32'"),
     (["--prior-mean", "pretrained"], r"prior_mean='pretrained' is not known; accepted: auto, init, zero"),
     (["--dataset", "mnist"], r"dataset='mnist' is not known; accepted: digits, mnist5k, pets"),
     (["--method", "nuts"], r"method='nuts' is not known; accepted: map, vi"),
@@ -147,7 +148,7 @@ def test_out_dir_is_a_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("kind", ["empty", "truncated", "random", "pickled_object", "not_a_state_dict"])
 def test_bad_init_checkpoint_names_the_file(tmp_path, capsys, kind):
-    from bayeswrap.models import create_model
+    from bayeswrap.app.backbones import create_model
 
     path = tmp_path / "w.pt"
     torch.save(create_model("mlp", 8, in_features=64).state_dict(), path)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_script
+from scripts import benchmark
 
 BAYESDLL_SRC = Path(os.environ.get("BAYESDLL_SRC", "/work/bayesdll"))
 
@@ -41,7 +41,7 @@ def numbers(tree, path):
 
 
 def run(tmp_path, extra, one_thread) -> tuple[dict, dict, str]:
-    bench = load_script("benchmark.py")
+    bench = benchmark
     out = tmp_path / "bench"
     returned = bench.main(TINY + ["--out", str(out)] + extra)
     result = json.loads(out.with_suffix(".json").read_text())

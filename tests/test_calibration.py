@@ -311,6 +311,7 @@ def test_bad_input_raises(name):
 
 def test_docstring_examples():
     import doctest
+
     from bayeswrap.evaluation import calibration as evaluation_calibration
 
     result = doctest.testmod(evaluation_calibration, extraglobs={"torch": torch, "np": np})

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-import bayeswrap.cli as cli
-from bayeswrap.io import load_checkpoint
-from bayeswrap.models import create_model
-from bayeswrap.tuning import TUNING
+import bayeswrap.app.cli as cli
+from bayeswrap.app.backbones import create_model
+from bayeswrap.core.io import load_checkpoint
+from bayeswrap.methods import TUNING
 
 FAST = ["--progress", "false", "--batch-size", "64"]
 
@@ -158,7 +158,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypat
 @pytest.mark.parametrize("args, message", [
     (["--model", "resnet_nope"], "resnet_nope"),
     (["--dataset", "mnist"], "dataset"),
-    (["--method", "nuts"], "method='nuts' is not known; accepted: map, vi, mc_dropout, sgld, laplace"),
+    (["--method", "nuts"], "method='nuts' is not known; accepted: map, vi, ivon, mc_dropout, sgld, laplace"),
     (["--dataset", "pets", "--data-root", "/nonexistent/pets"], "--download"),
     (["--init-checkpoint", "/nonexistent/w.pt"], "/nonexistent/w.pt"),
     (["--lr", "abc"], "lr='abc' is not a number; accepted: a finite number > 0"),

@@ -1,8 +1,8 @@
-"""Per-layer diagonal curvature (bayeswrap.curvature) against the vmap reference and a per-example loop.
+"""Per-layer diagonal curvature (bayeswrap.methods.laplace.curvature) against the vmap reference and a per-example loop.
 
 Every model runs in float64 so that the three computations agree to ~1e-10;
 the assertions use 1e-6 relative to each tensor's largest entry. The models
-cover every rule of :mod:`bayeswrap.curvature` and every fallback: Linear on
+cover every rule of :mod:`bayeswrap.methods.laplace.curvature` and every fallback: Linear on
 (B, in) and on tokens, Conv1d/Conv2d with stride, padding (also "same" and
 non-zero padding modes), dilation, groups and no bias, eval-mode BatchNorm
 (followed by an in-place ReLU), LayerNorm, GroupNorm, a class token and a
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bayeswrap as bw
-from bayeswrap.curvature import LayerCurvature, ggn_vectors, nll_gradient_vectors
+from bayeswrap.methods.laplace.curvature import LayerCurvature, ggn_vectors, nll_gradient_vectors
 
 DT = torch.float64
 CURVATURES = ("empirical_fisher", "fisher", "ggn")

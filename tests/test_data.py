@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from bayeswrap.data import (
+from bayeswrap.data.datasets import (
     DATASETS,
     DataDownloadError,
     DataError,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from bayeswrap import diagnostics as diag
+from bayeswrap.evaluation import convergence as diag
 
 az = pytest.importorskip("arviz")
 

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import bayeswrap as bw
-from bayeswrap import distributed
 from bayeswrap import optim as bw_optim
+from bayeswrap.core import distributed
 
 pytestmark = pytest.mark.filterwarnings("ignore:the Laplace posterior variance:RuntimeWarning")
 
@@ -241,7 +241,7 @@ CLI_ARGS = ["fit", "--method", "laplace", "--epochs", "2", "--batch-size", "64",
 
 
 def test_torchrun_cli_writes_one_run_from_rank_0_equal_to_one_process(tmp_path):
-    from bayeswrap import cli
+    from bayeswrap.app import cli
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
@@ -265,14 +265,14 @@ def test_torchrun_cli_writes_one_run_from_rank_0_equal_to_one_process(tmp_path):
 
 
 def test_cli_refuses_under_torchrun_what_does_not_run_data_parallel(tmp_path, monkeypatch, capsys):
-    from bayeswrap import cli
+    from bayeswrap.app import cli
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     assert cli.main(["evaluate", str(tmp_path)]) == 2
     assert "does not run under torchrun" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not a multiple of the world size 2"):
-        bw_experiment_loader = __import__("bayeswrap.experiment", fromlist=["EpochLoader"]).EpochLoader
+        bw_experiment_loader = __import__("bayeswrap.app.build", fromlist=["EpochLoader"]).EpochLoader
         bw_experiment_loader(_data()[0], 33, 0, num_replicas=2, rank=0)
     with pytest.raises(ValueError, match="does not run data-parallel"):
         distributed.refuse("method='hmc'", "its chains run on the whole training set")

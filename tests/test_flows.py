@@ -1,4 +1,4 @@
-"""Tests of bayeswrap.flows: MADE masks, IAF log-determinants, q(z) and the auxiliary model r(z | W)."""
+"""Tests of bayeswrap.methods.lbbnn.flows: MADE masks, IAF log-determinants, q(z) and the auxiliary model r(z | W)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bayeswrap.flows import GATE_BIAS_INIT, IAF, MADE, IAFStep, MultiplicativeFlow
+from bayeswrap.methods.lbbnn.flows import GATE_BIAS_INIT, IAF, MADE, IAFStep, MultiplicativeFlow
 
 HIDDEN = (8, 8)
 LOG_2PI = math.log(2 * math.pi)

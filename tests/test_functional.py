@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import bayeswrap as bw
-from bayeswrap.functional import is_bias, select_parameters
+from bayeswrap.core.functional import is_bias, select_parameters
 
 
 def _cnn():

@@ -86,7 +86,7 @@ def _big_mlp():
 
 @pytest.mark.parametrize("method", ["vi", "mc_dropout"])
 def test_fused_equals_reference_across_buckets_and_rng_streams(method, monkeypatch):
-    from bayeswrap import fused
+    from bayeswrap.core import fused
 
     monkeypatch.setattr(fused, "RNG_PARALLEL_MIN", 1 << 19)  # parallel noise streams for this 750k-element model
     model = _big_mlp().double()
@@ -111,7 +111,7 @@ def test_fused_equals_reference_across_buckets_and_rng_streams(method, monkeypat
 def test_random_buckets_are_iid_and_independent_of_the_thread_count(monkeypatch):
     from scipy import stats
 
-    from bayeswrap import fused
+    from bayeswrap.core import fused
 
     refs = [torch.empty(1700, 900), torch.empty(300), torch.empty(500, 600)]  # 1,830,300 elements
     groups = fused.buckets(refs)
@@ -147,7 +147,7 @@ def test_random_buckets_are_iid_and_independent_of_the_thread_count(monkeypatch)
 
 def test_small_requests_keep_the_single_call_stream():
     """Below RNG_PARALLEL_MIN the draws are those of one torch.randn / torch.rand over all the tensors."""
-    from bayeswrap import fused
+    from bayeswrap.core import fused
 
     refs = [torch.empty(300, 500), torch.empty(7), torch.empty(400, 600)]
     groups = fused.buckets(refs)
@@ -161,7 +161,7 @@ def test_small_requests_keep_the_single_call_stream():
 
 def test_sample_from_parallel_streams_has_the_posterior_moments(monkeypatch):
     """bnn.sample on the CPU path of large models: exact N(m, s²) draws, reproducible with a generator."""
-    from bayeswrap import fused
+    from bayeswrap.core import fused
 
     monkeypatch.setattr(fused, "RNG_PARALLEL_MIN", 1 << 10)
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import bayeswrap as bw
-import bayeswrap.cli as cli
+import bayeswrap.app.cli as cli
 
 
 def _set(bnn, mu=None, rho=None, logit=None):

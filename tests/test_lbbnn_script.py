@@ -14,19 +14,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import load_script
+
+from scripts import lbbnn_mnist5k
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TABLE_METHODS = ("LBBNN", "LBBNN-LRT", "LBBNN-FLOW", "BNN")
 
 
-def _load():
-    return load_script("lbbnn_mnist5k.py")
-
-
 @pytest.fixture(scope="module")
 def script():
-    return _load()
+    return lbbnn_mnist5k
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import bayeswrap as bw
-from bayeswrap import diagnostics as diag
+from bayeswrap.evaluation import convergence as diag
 
 
 def _blr(n=50, d=3, noise=0.5, prior=1.0, seed=0):
@@ -161,7 +161,7 @@ def test_mcmc_bad_input():
 def test_cli_samples_with_mh_and_writes_diagnostics_and_plots(tmp_path):
     import json
 
-    import bayeswrap.cli as cli
+    import bayeswrap.app.cli as cli
 
     args = ["fit", "--method", "mh", "--num-warmup", "40", "--chain-samples", "40", "--num-chains", "3",
             "--thinning", "2", "--num-samples", "10", "--shift-rotations", "0", "--shift-noise", "0",

@@ -12,14 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import load_script
 import torch
 
+from scripts import mcmc_dissertation, posterior_fidelity
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _load(name: str):
-    return load_script(f"{name}.py")
 
 
 def _run_fast(script: str, out: Path) -> subprocess.CompletedProcess:
@@ -44,7 +41,7 @@ def _table_rows(text: str, header: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def dissertation():
-    return _load("mcmc_dissertation")
+    return mcmc_dissertation
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +162,7 @@ def test_dissertation_rejects_unknown_part(dissertation, tmp_path):
 
 @pytest.fixture(scope="module")
 def fidelity():
-    return _load("posterior_fidelity")
+    return posterior_fidelity
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests for bayeswrap.models: backbones by name, head replacement, checkpoints, pretrained errors."""
+"""Tests for bayeswrap.app.backbones: backbones by name, head replacement, checkpoints, pretrained errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from bayeswrap.models import (
+from bayeswrap.app.backbones import (
     DEFAULT_MLP_HIDDEN,
     MLP,
     CheckpointError,

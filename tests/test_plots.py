@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from bayeswrap import calibration as cal  # noqa: E402
-from bayeswrap import plots  # noqa: E402
+from bayeswrap.evaluation import plots  # noqa: E402
 
 
 @pytest.fixture(scope="module")

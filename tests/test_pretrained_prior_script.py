@@ -14,19 +14,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import load_script
 import torch
+
+from scripts import pretrained_prior_digits
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-def _load():
-    return load_script("pretrained_prior_digits.py")
-
-
 @pytest.fixture(scope="module")
 def script():
-    return _load()
+    return pretrained_prior_digits
 
 
 @pytest.fixture(scope="module")

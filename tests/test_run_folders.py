@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import damage_file
 
 import bayeswrap as bw
-import bayeswrap.cli as cli
-from bayeswrap import runs
-from bayeswrap.config import resolve
-from bayeswrap.experiment import lr_factor, make_optimizer
-from bayeswrap.io import CheckpointError, load_checkpoint, save_checkpoint
-from conftest import damage_file
+import bayeswrap.app.cli as cli
+from bayeswrap.app import runs
+from bayeswrap.app.build import lr_factor, make_optimizer
+from bayeswrap.app.config import resolve
+from bayeswrap.core.io import CheckpointError, load_checkpoint, save_checkpoint
 
 FAST = ["--batch-size", "64", "--shift-rotations", "0", "--shift-noise", "0", "--progress", "false"]
 
@@ -207,7 +207,7 @@ def vi_run(tmp_path_factory):
 
 
 def test_load_run_rebuilds_the_trained_model_without_the_training_data(vi_run, monkeypatch):
-    import bayeswrap.experiment as experiment
+    import bayeswrap.app.build as experiment
 
     monkeypatch.setattr(experiment, "load_data", lambda *a, **k: pytest.fail("load_run read the dataset"))
     run = bw.load_run(vi_run)
@@ -228,8 +228,8 @@ def test_load_run_rebuilds_the_trained_model_without_the_training_data(vi_run, m
 
 
 def test_predict_writes_class_probabilities_and_uncertainty(vi_run, tmp_path):
+    from bayeswrap.app.build import load_splits
     from bayeswrap.evaluation.uncertainty import mutual_information, predictive_entropy
-    from bayeswrap.experiment import load_splits
 
     run = bw.load_run(vi_run)
     splits, _ = load_splits(run.config)
@@ -255,7 +255,7 @@ def test_predict_writes_class_probabilities_and_uncertainty(vi_run, tmp_path):
 def test_predict_reads_an_image_folder_and_a_single_image(vi_run, tmp_path):
     from PIL import Image
 
-    from bayeswrap.experiment import load_splits
+    from bayeswrap.app.build import load_splits
 
     run = bw.load_run(vi_run)
     splits, _ = load_splits(run.config)
@@ -336,7 +336,7 @@ def test_cosine_schedule_with_warmup_and_resume_match_an_uninterrupted_run(tmp_p
 
 def test_adamw_decays_only_point_estimates():
     cfg = resolve(None, {"method": "vi", "optimizer": "adamw", "weight_decay": 0.05, "params": "fc0.*"})
-    from bayeswrap.models import create_model
+    from bayeswrap.app.backbones import create_model
 
     bnn = bw.wrap(create_model("mlp", 3, in_features=4), "vi", num_data=10, params=["fc0.*"])
     opt = make_optimizer(cfg, bnn, head=[])
@@ -372,7 +372,7 @@ def test_help_has_no_internal_reprs(capsys):
 def test_offline_pretrained_fails_fast_with_advice(monkeypatch):
     import socket
 
-    from bayeswrap import models
+    from bayeswrap.app import backbones as models
 
     def unreachable(*args, **kwargs):
         raise OSError("Network is unreachable")
@@ -412,7 +412,7 @@ def test_load_checkpoint_names_the_file(tmp_path):
 
 
 def test_init_checkpoint_with_another_head_warns(tmp_path):
-    from bayeswrap.models import create_model
+    from bayeswrap.app.backbones import create_model
 
     path = tmp_path / "imagenet_like.pt"
     torch.save(create_model("mlp", 10, in_features=64).state_dict(), path)

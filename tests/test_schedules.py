@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import bayeswrap as bw
-from bayeswrap.schedules import KLSchedule, check_factor, constant
+from bayeswrap.core.schedules import KLSchedule, check_factor, constant
 
 
 def test_warmup_is_zero_then_the_exact_linear_ramp():

@@ -1,23 +1,14 @@
 """The issue-6 scripts in test mode: regression bands widen in the gaps; the sparsity table is written."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_issue6_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from scripts import regression_demo, sparsity_digits
 
 
 def test_regression_demo_bands_widen_inside_the_largest_gap(tmp_path):
-    demo = _load("regression_demo")
+    demo = regression_demo
     res = demo.run(test_mode=True, out_dir=tmp_path)
     toy = res["summary"]["toy"]
     assert list(toy) == list(demo.METHODS)
@@ -44,7 +35,7 @@ def test_regression_demo_bands_widen_inside_the_largest_gap(tmp_path):
 
 
 def test_sparsity_script_runs_in_test_mode_and_writes_its_table(tmp_path):
-    script = _load("sparsity_digits")
+    script = sparsity_digits
     res = script.run(test_mode=True, out_dir=tmp_path)
     md_path, png_path, json_path = res["paths"]
     text = md_path.read_text()

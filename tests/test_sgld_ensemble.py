@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import bayeswrap as bw
-from bayeswrap.samples import SampleStore, spread_indices
-from bayeswrap.schedules import cycle_length, cyclical_position, cyclical_step_size, exploration_steps
+from bayeswrap.core.samples import SampleStore, spread_indices
+from bayeswrap.core.schedules import cycle_length, cyclical_position, cyclical_step_size, exploration_steps
 
 N, D, C, NOISE_STD, PRIOR_STD, RHO = 300, 3, 64, 1.0, 1.0, 0.5
 

@@ -1,4 +1,4 @@
-"""Tests for bayeswrap.evaluation.shift: rotation / Gaussian-noise shifts and held-out-class OOD splits."""
+"""Tests for bayeswrap.data.shift: rotation / Gaussian-noise shifts and held-out-class OOD splits."""
 
 from __future__ import annotations
 
@@ -14,8 +14,15 @@ from torch.utils.data import DataLoader
 from torchvision import transforms as T
 from torchvision.transforms import v2 as T2
 
-from bayeswrap.data import IMAGENET_MEAN, IMAGENET_STD, ArrayDataset, TransformSubset, build_transforms, load_data
-from bayeswrap.evaluation.shift import (
+from bayeswrap.data.datasets import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ArrayDataset,
+    TransformSubset,
+    build_transforms,
+    load_data,
+)
+from bayeswrap.data.shift import (
     NOISE_STDS,
     ROTATION_ANGLES,
     SHIFTS,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import bayeswrap as bw
-from bayeswrap.sparsity import NotTrainedError, SparsityReport, check_rule
+from bayeswrap.methods.sparsity import NotTrainedError, SparsityReport, check_rule
 
 
 def _mlp(seed=0):

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from bayeswrap.tuning import TUNING, select_by_val_nll, tune
+from bayeswrap.evaluation.tuning import select_by_val_nll, tune
+from bayeswrap.methods import TUNING
 
 
 def test_selection_is_the_argmin_of_validation_nll():

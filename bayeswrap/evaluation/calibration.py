@@ -634,7 +634,7 @@ def fit_temperature(log_probs_val: ArrayLike, labels_val: ArrayLike, *, max_iter
         bounds: (T_min, T_max) with 0 < T_min <= T_max; the search range for T.
         return_history: if True, return a :class:`TemperatureFit` holding T, the
             NLL before/after and the per-iteration ``temperatures`` and ``nlls``
-            (the input of :func:`bayeswrap.plots.temperature_curve`); if False, return T only.
+            (the input of :func:`bayeswrap.evaluation.plots.temperature_curve`); if False, return T only.
 
     Returns:
         T as a Python float, or a :class:`TemperatureFit` if ``return_history``.

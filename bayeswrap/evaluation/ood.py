@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
-from .calibration import ArrayLike
-from .uncertainty import _check_vector
+from bayeswrap.evaluation.calibration import ArrayLike
+from bayeswrap.evaluation.uncertainty import _check_vector
 
 __all__ = ["FPR_AT_TPR", "ood_metrics"]
 

@@ -34,10 +34,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import calibration
-from .ood import ood_metrics
-from .selective import aurc, risk_coverage
-from .uncertainty import gamma_curve, mutual_information, predictive_entropy, predictive_std, variation_ratio
+from bayeswrap.evaluation import calibration
+from bayeswrap.evaluation.ood import ood_metrics
+from bayeswrap.evaluation.selective import aurc, risk_coverage
+from bayeswrap.evaluation.uncertainty import (
+    gamma_curve,
+    mutual_information,
+    predictive_entropy,
+    predictive_std,
+    variation_ratio,
+)
 
 __all__ = ["GAMMA_ALPHAS", "SHIFT_METRICS", "distinct_samples", "measures", "ood_report", "prediction_report",
            "shift_report"]
@@ -150,7 +156,7 @@ def shift_report(predict_shifted: Callable[[str, float], tuple[torch.Tensor, tor
 
     Args:
         predict_shifted: ``(kind, intensity) -> (sample_probs (S, N, K), labels (N,))``
-            on the test set under that shift (see :mod:`bayeswrap.evaluation.shift`).
+            on the test set under that shift (see :mod:`bayeswrap.data.shift`).
         grids: ``{kind: intensities}``, e.g. ``{"rotation": (0, 15, ..., 180),
             "noise": (0.0, 0.1, ...)}`` (degrees; pixel std on [0, 1] images). Empty
             grids are skipped.

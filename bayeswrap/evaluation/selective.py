@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .calibration import ArrayLike
-from .uncertainty import _check_correct, _check_vector
+from bayeswrap.evaluation.calibration import ArrayLike
+from bayeswrap.evaluation.uncertainty import _check_correct, _check_vector
 
 __all__ = ["aurc", "aurc_optimal", "excess_aurc", "risk_coverage"]
 

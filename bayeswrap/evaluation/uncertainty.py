@@ -53,7 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .calibration import ArrayLike, _row_sum_tol, _to_float64
+from bayeswrap.evaluation.calibration import ArrayLike, _row_sum_tol, _to_float64
 
 __all__ = [
     "PREDICTIVE_STD_REDUCTIONS",

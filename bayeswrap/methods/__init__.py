@@ -6,21 +6,48 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator, Mapping
 
-from .base import METHODS, BayesianModel, LossOutput, NotFittedError, register_method
+from bayeswrap.methods.base import METHODS, BayesianModel, LossOutput, NotFittedError, register_method
+
 # registration order = the order methods are listed in messages and docs
-from .map import MAP  # isort: skip
-from .vi import VI  # isort: skip
-from .mc_dropout import MCDropout  # isort: skip
-from .sgld import SGLD  # isort: skip
-from .laplace import Laplace  # isort: skip
-from .ivon import IVON  # isort: skip
-from .sparse_vd import KingmaVD, SparseVD  # isort: skip  (issue 6: log-uniform prior, sparsification)
-from .lbbnn import LBBNN  # isort: skip  (issue 12: inclusion variables, local reparameterisation, flows)
-from .mcmc import HMC, MetropolisHastings  # isort: skip  (issue 13: full-batch samplers)
+from bayeswrap.methods.map import MAP  # isort: skip
+from bayeswrap.methods.vi import VI  # isort: skip
+from bayeswrap.methods.ivon import IVON  # isort: skip
+from bayeswrap.methods.mc_dropout import MCDropout  # isort: skip
+from bayeswrap.methods.sgld import SGLD  # isort: skip
+from bayeswrap.methods.laplace import Laplace  # isort: skip
+from bayeswrap.methods.sparse_vd import KingmaVD, SparseVD  # isort: skip
+from bayeswrap.methods.lbbnn import LBBNN  # isort: skip
+from bayeswrap.methods.mcmc import HMC, MetropolisHastings  # isort: skip
 
 _COMMON = ("num_data", "prior_std", "prior_mean", "bias", "params", "likelihood", "noise_std", "kl_weight",
            "chunk_size")
+
+
+class _TuningView(Mapping):
+    """``{method: (option, grid)}`` read live from each registered class's ``tuning`` attribute."""
+
+    def __getitem__(self, method: str) -> tuple[str, tuple[float, ...]]:
+        knob = METHODS[method].tuning
+        if knob is None:
+            raise KeyError(method)
+        return knob
+
+    def __iter__(self) -> Iterator[str]:
+        return (m for m, cls in METHODS.items() if cls.tuning is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+#: method -> (option, grid) that ``bayeswrap compare`` tunes by validation NLL (from the classes' ``tuning``)
+TUNING: Mapping[str, tuple[str, tuple[float, ...]]] = _TuningView()
+
+
+def tuning_option(method: str) -> tuple[str, tuple[float, ...]] | None:
+    """``(option, grid)`` tuned for ``method`` (its class's ``tuning``), or None if it has no tuned option."""
+    return METHODS[method].tuning
 
 
 def method_options(method: str) -> tuple[str, ...]:
@@ -95,5 +122,6 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
                            params=params, likelihood=likelihood, noise_std=noise_std, **method_options_)
 
 
-__all__ = ["METHODS", "BayesianModel", "LossOutput", "NotFittedError", "register_method", "wrap",
-           "method_options", "MAP", "VI", "MCDropout", "SGLD", "Laplace", "IVON", "SparseVD", "KingmaVD"]
+__all__ = ["METHODS", "BayesianModel", "LossOutput", "NotFittedError", "register_method", "wrap", "method_options",
+           "TUNING", "tuning_option",
+           *(cls.__name__ for cls in dict.fromkeys(METHODS.values()))]

@@ -27,12 +27,20 @@ import torch
 from torch import nn
 from torch.func import vmap
 
-from ..functional import NamedTensors, ParamSelector, call, nonfinite_names, select_parameters, split_state
-from ..likelihoods import at_least_float32, make_likelihood
-from ..checks import SCALE_RANGE, check_float, check_int, check_scale
-from ..layers import LRTLayer, find_lrt_layers, lrt_copy
-from .. import fused
-from ..priors import GaussianPrior
+from bayeswrap.core import fused
+from bayeswrap.core.batches import check_inputs_finite, x_device
+from bayeswrap.core.checks import SCALE_RANGE, check_float, check_int, check_scale
+from bayeswrap.core.functional import (
+    NamedTensors,
+    ParamSelector,
+    call,
+    nonfinite_names,
+    select_parameters,
+    split_state,
+)
+from bayeswrap.core.layers import LRTLayer, find_lrt_layers, lrt_copy
+from bayeswrap.core.likelihoods import at_least_float32, make_likelihood
+from bayeswrap.core.priors import GaussianPrior
 
 METHODS: dict[str, type[BayesianModel]] = {}
 
@@ -123,6 +131,14 @@ class BayesianModel(nn.Module, ABC):
     select_best_epoch = True
     bias_options: tuple[str, ...] = ("informative", "uninformative")
     allows_no_prior = False
+    #: ``(option, grid)`` that ``bayeswrap compare`` tunes by validation NLL (Ovadia et al. 2019, §4), or None;
+    #: the grid is log-spaced around the library default and brackets the usual optimum
+    tuning: tuple[str, tuple[float, ...]] | None = None
+    #: run settings the command line uses for this method unless the config sets them (e.g. the step size of
+    #: a method that owns its update); method options are never listed here: their defaults are the constructor's
+    recommended: dict = {}
+    #: whether ``bayeswrap compare`` runs this method when ``--methods`` is not given
+    in_default_comparison = False
 
     def __init__(self, model: nn.Module, *, num_data: int, prior_std: float | None = 1.0, prior_mean="init",
                  bias: str = "informative", params: ParamSelector = None, likelihood: str = "categorical",
@@ -189,7 +205,7 @@ class BayesianModel(nn.Module, ABC):
         return None
 
     def _deterministic_mean(self) -> dict[str, torch.Tensor]:
-        """The weights :func:`bayeswrap.sparsity.to_deterministic` deploys (the posterior mean; LBBNN: the MPM's)."""
+        """The weights :func:`bayeswrap.methods.sparsity.to_deterministic` deploys (the posterior mean; LBBNN: the MPM's)."""
         return self.posterior_mean()
 
     def _point_estimate(self) -> dict[str, torch.Tensor]:
@@ -239,7 +255,7 @@ class BayesianModel(nn.Module, ABC):
     has_inclusion = False
 
     def enable_local_reparam(self) -> list[LRTLayer]:
-        """Switches supported layers to pre-activation sampling (see :mod:`bayeswrap.layers`).
+        """Switches supported layers to pre-activation sampling (see :mod:`bayeswrap.core.layers`).
 
         Builds a second storage-free copy of the model in which each ``nn.Linear`` /
         ``nn.Conv2d`` whose weight is Bayesian samples its pre-activations from
@@ -335,7 +351,7 @@ class BayesianModel(nn.Module, ABC):
                 reparameterisation it may instead hold, for each layer of
                 :attr:`lrt_layers`, the mean of its weight (and bias) under the
                 parameter's name and the variance under ``name + "_var"``: those
-                layers then sample their pre-activations (:mod:`bayeswrap.layers`).
+                layers then sample their pre-activations (:mod:`bayeswrap.core.layers`).
             x: model input, e.g. images of shape (B, C, H, W).
 
         Returns:
@@ -407,7 +423,7 @@ class BayesianModel(nn.Module, ABC):
         mean, std = self.posterior_mean(), self.posterior_std()
         ref = next(iter(mean.values()))
         if ref.device.type == "cpu" and num_samples * sum(m.numel() for m in mean.values()) >= fused.RNG_PARALLEL_MIN:
-            # large models on the CPU: parallel noise streams (bayeswrap.fused.random_buckets), θ written in place
+            # large models on the CPU: parallel noise streams (bayeswrap.core.fused.random_buckets), θ written in place
             eps = fused.standard_normal_like([m.expand(num_samples, *m.shape) for m in mean.values()], generator)
             if torch.is_grad_enabled():  # differentiable draws (e.g. a training sample): out of place
                 return {n: m + std[n] * e for (n, m), e in zip(mean.items(), eps)}
@@ -655,57 +671,3 @@ def _storage_free_copy(model: nn.Module) -> nn.Module:
         return copy.deepcopy(model, memo)
     except Exception:  # modules that cannot be deep-copied are used as-is (still never written to)
         return model
-
-
-# ---------------------------------------------------------------------- batch and input checks
-def batch_pair(batch, where: str = "the loader"):
-    """``(inputs, targets)`` of one loader batch, or a ValueError saying what the batch was.
-
-    Args:
-        batch: one item yielded by a loader.
-        where: how to name the loader and batch in the message, e.g. ``"train_loader batch 3"``.
-
-    Raises:
-        ValueError: unless ``batch`` is a pair (tuple or list of length 2).
-    """
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    if isinstance(batch, Mapping):
-        got = f"a {type(batch).__name__} with keys {list(batch)[:8]}"
-    elif isinstance(batch, (tuple, list)):
-        got = f"a {type(batch).__name__} of length {len(batch)}"
-    elif isinstance(batch, torch.Tensor):
-        got = f"a single tensor of shape {tuple(batch.shape)}"
-    else:
-        got = f"a {type(batch).__name__}"
-    raise ValueError(f"{where} yielded {got}; accepted: (inputs, targets) pairs, e.g. a DataLoader over a "
-                     "TensorDataset(x, y) or a list of (x, y) tuples (wrap other loaders so they yield pairs)")
-
-
-def check_inputs_finite(x, name: str = "x") -> None:
-    """Raises ValueError if a floating input tensor (or one of a tuple of inputs) holds a NaN or an infinity.
-
-    One ``torch.isfinite(x).all()`` per floating tensor (one device sync); non-tensor inputs are not inspected.
-
-    Args:
-        x: a model input, or a tuple/list of positional inputs.
-        name: how the message names the input.
-
-    Raises:
-        ValueError: naming the input, its shape and the number of non-finite values.
-    """
-    parts = x if isinstance(x, (tuple, list)) else (x,)
-    for i, t in enumerate(parts):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel() \
-                and not bool(torch.isfinite(t).all()):
-            label = name if len(parts) == 1 and not isinstance(x, (tuple, list)) else f"{name}[{i}]"
-            count = int((~torch.isfinite(t)).sum())
-            raise ValueError(f"{label} (shape {tuple(t.shape)}) contains {count} non-finite values (NaN or inf); "
-                             "accepted: finite inputs")
-
-
-def x_device(x) -> torch.device:
-    """The device of a model input (a tensor, or the first tensor of a tuple of inputs)."""
-    if isinstance(x, torch.Tensor):
-        return x.device
-    return next(t.device for t in x if isinstance(t, torch.Tensor))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..functional import NamedTensors
-from .base import BayesianModel, register_method
+from bayeswrap.core.functional import NamedTensors
+from bayeswrap.methods.base import BayesianModel, register_method
 
 
 @register_method("map")
@@ -27,6 +27,8 @@ class MAP(BayesianModel):
     """
 
     allows_no_prior = True
+    tuning = ("prior_std", (0.1, 0.3, 1.0, 3.0))  # the weight decay 1/(N σ²) of the plain network
+    in_default_comparison = True
 
     def _init_posterior(self, init):
         self.theta = NamedTensors(init, trainable=True)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ..functional import NamedTensors, is_bias
-from ..fused import dropout_sample, uniform_like
-from .base import BayesianModel, check_float, check_int, register_method
+from bayeswrap.core.functional import NamedTensors, is_bias
+from bayeswrap.core.fused import dropout_sample, uniform_like
+from bayeswrap.methods.base import BayesianModel, check_float, check_int, register_method
 
 BIAS_OPTIONS = ("informative", "uninformative", "gaussian", "spikymix", "ignore")
 
@@ -39,7 +39,7 @@ class MCDropout(BayesianModel):
         num_train_samples: dropout masks per training step (≥ 1).
         fused: draw the training sample and the prior term with the fused
             bucketed kernel and closed-form gradients
-            (:func:`bayeswrap.fused.dropout_sample`); False uses the plain
+            (:func:`bayeswrap.core.fused.dropout_sample`); False uses the plain
             autograd reference. Same values and gradients.
 
     Raises:
@@ -51,6 +51,8 @@ class MCDropout(BayesianModel):
     """
 
     bias_options = BIAS_OPTIONS
+    tuning = ("p_drop", (0.05, 0.1, 0.2, 0.3))  # the dropout rate sets the posterior spread
+    in_default_comparison = True
 
     def __init__(self, model, *, p_drop: float = 0.1, num_train_samples: int = 1, fused: bool = True, **kwargs):
         self.fused = bool(fused)
@@ -70,7 +72,7 @@ class MCDropout(BayesianModel):
     def _masked(self, shape_prefix=(), generator=None):
         out = {}
         dropped = [n for n in self.theta.keys() if self.drop_prob[n] > 0.0]
-        # a training sample draws its u exactly as the fused kernel does (bayeswrap.fused.uniform_like)
+        # a training sample draws its u exactly as the fused kernel does (bayeswrap.core.fused.uniform_like)
         u = dict(zip(dropped, uniform_like([self.theta[n] for n in dropped], generator))) \
             if not shape_prefix and dropped else {}
         for n, m in self.theta.items():

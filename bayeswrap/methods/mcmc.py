@@ -9,7 +9,7 @@ evaluated on the whole training set (``inputs``, ``targets``; n examples, N =
 ``num_data``) through the same functional call as every other method. Chains run
 in lockstep, as one ``torch.func.vmap`` over a chain axis where the model allows
 it (else one after another). Kept draws go into a
-:class:`~bayeswrap.samples.SampleStore` (memory-bounded, thinned by two when
+:class:`~bayeswrap.core.samples.SampleStore` (memory-bounded, thinned by two when
 full) and :meth:`~bayeswrap.BayesianModel.predict` averages over them, the same
 ensemble predictive as SGLD's.
 
@@ -30,7 +30,7 @@ ensemble predictive as SGLD's.
   whose energy error exceeds 1000 nats is a divergence.
 
 :meth:`FullBatchMCMC.diagnostics` reports rank-normalised split R-hat, bulk and
-tail ESS per parameter tensor (:mod:`bayeswrap.diagnostics`), the acceptance
+tail ESS per parameter tensor (:mod:`bayeswrap.evaluation.convergence`), the acceptance
 rate, the step size and the divergences.
 """
 
@@ -43,11 +43,12 @@ from abc import abstractmethod
 import torch
 from torch.func import grad_and_value, vmap
 
-from .. import distributed
-from ..checks import check_float, check_int
-from ..functional import NamedTensors
-from ..samples import SampleStore, spread_indices
-from .base import BayesianModel, NotFittedError, register_method
+from bayeswrap.core import distributed
+from bayeswrap.core.checks import check_float, check_int
+from bayeswrap.core.functional import NamedTensors
+from bayeswrap.core.samples import SampleStore, spread_indices
+from bayeswrap.evaluation import convergence as diag
+from bayeswrap.methods.base import BayesianModel, NotFittedError, register_method
 
 #: the most Bayesian parameters a full-batch sampler accepts by default (larger models: use "sgld")
 MAX_PARAMETERS = 100_000
@@ -314,14 +315,12 @@ class FullBatchMCMC(BayesianModel):
             "acceptance_rate", "step_size" (HMC) or "proposal_scale" (MH),
             "divergences"}`` (per chain lists, and totals). R-hat is rank-normalised
             split R-hat and the ESS are bulk and tail ESS (Vehtari et al. 2021), via
-            :mod:`bayeswrap.diagnostics`.
+            :mod:`bayeswrap.evaluation.convergence`.
 
         Raises:
             NotFittedError: before :meth:`run_chains`.
             ValueError: with fewer than 4 kept draws per chain (split chains need 2 each).
         """
-        from .. import diagnostics as diag
-
         draws = self.chain_draws()
         if next(iter(draws.values())).shape[1] < 4:
             raise ValueError("diagnostics need at least 4 kept draws per chain")

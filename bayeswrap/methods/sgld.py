@@ -3,7 +3,7 @@
 Training runs :class:`bayeswrap.optim.SGLD` (Welling & Teh 2011, BayesDLL eq. 12)
 on the MAP objective. After a burn-in, every ``thinning``-th iterate is *kept*:
 
-* it goes into the shared, memory-bounded :class:`~bayeswrap.samples.SampleStore`
+* it goes into the shared, memory-bounded :class:`~bayeswrap.core.samples.SampleStore`
   (at most ``max_samples`` draws, thinned by two when full, so they stay evenly
   spaced over the whole chain);
 * it is folded into a running mean and variance (Welford's algorithm).
@@ -36,12 +36,12 @@ import warnings
 
 import torch
 
-from .. import optim as bw_optim
-from ..functional import NamedTensors
-from ..samples import SampleStore
-from ..schedules import cycle_length, cyclical_step_size, exploration_steps
-from .base import NotFittedError, check_float, check_int, register_method
-from .map import MAP
+from bayeswrap import optim as bw_optim
+from bayeswrap.core.functional import NamedTensors
+from bayeswrap.core.samples import SampleStore
+from bayeswrap.core.schedules import cycle_length, cyclical_step_size, exploration_steps
+from bayeswrap.methods.base import NotFittedError, check_float, check_int, register_method
+from bayeswrap.methods.map import MAP
 
 #: fraction of the fit's optimizer steps discarded as burn-in when ``burn_in="auto"``
 BURN_IN_FRACTION = 0.5
@@ -77,7 +77,7 @@ class SGLD(MAP):
             none and allows only ``predictive="gaussian"``). When full the store
             drops every second iterate and keeps every second one after that, so
             it holds between ⌈max_samples/2⌉ and max_samples iterates spread
-            over the whole chain (see :class:`~bayeswrap.samples.SampleStore`).
+            over the whole chain (see :class:`~bayeswrap.core.samples.SampleStore`).
         sample_dtype: storage dtype of the iterates: ``None`` (the parameters'
             dtype), or ``torch.bfloat16`` / ``torch.float16`` (or their names) to
             halve the memory of float32 iterates; draws are cast back to the
@@ -94,7 +94,7 @@ class SGLD(MAP):
 
     Attributes:
         theta: the current Langevin iterate.
-        sample_store: the :class:`~bayeswrap.samples.SampleStore` of kept iterates
+        sample_store: the :class:`~bayeswrap.core.samples.SampleStore` of kept iterates
             (``None`` with ``max_samples=0``).
         moment_mean, moment_m2: Welford accumulators of the kept iterates.
         num_steps, num_kept: step and kept-sample counters (0-d int64 buffers).
@@ -113,6 +113,9 @@ class SGLD(MAP):
 
     required_optimizer = bw_optim.SGLD
     select_best_epoch = False  # the posterior is the chain's kept iterates, not one epoch's state
+    tuning = ("noise_scale", (0.1, 0.3, 1.0))  # the temperature T = noise_scale² of the sampled posterior
+    recommended = {"lr": 0.2}  # no momentum; chosen on digits' validation NLL
+    in_default_comparison = True
 
     def __init__(self, model, *, burn_in: int | str = "auto", thinning: int = 10, predictive: str = "ensemble",
                  max_samples: int = 100, sample_dtype: torch.dtype | str | None = None,
@@ -369,7 +372,7 @@ class SGLD(MAP):
         ``predictive="ensemble"``: stored iterates, deterministic (``generator``
         is unused): S ≤ stored count takes evenly spaced iterates over the chain
         (all of them for S = count), S > count cycles through them in chain
-        order (see :func:`bayeswrap.samples.spread_indices`); pass
+        order (see :func:`bayeswrap.core.samples.spread_indices`); pass
         ``num_samples=len(bnn.sample_store)`` for the exact ensemble.
         ``predictive="gaussian"``: N(running mean, running variance) draws.
 

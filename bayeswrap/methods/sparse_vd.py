@@ -16,7 +16,7 @@ The constant −k1 makes the KL vanish as α → ∞. The exact value up to that
 constant is 0.5 log α − E_{ε~N(1, α)} log|ε| − (γ + log 2)/2 (eq. 9 with
 Molchanov's normalisation); the approximation is within 0.009 nats of it for
 log α ∈ [−4, 4] (tests/test_sparse_vd.py). Weights with log α > 3 are pruned
-(:mod:`bayeswrap.sparsity`).
+(:mod:`bayeswrap.methods.sparsity`).
 
 ``"kingma_vd"``, Kingma, Salimans & Welling 2015, "Variational Dropout and the
 Local Reparameterization Trick" (NeurIPS), §3.3 and eq. (12), with one α per weight:
@@ -44,16 +44,15 @@ in the forward pass and by projecting the parameter after every optimizer step.
 
 from __future__ import annotations
 
-from abc import abstractmethod
-
 import math
+from abc import abstractmethod
 
 import torch
 import torch.nn.functional as F
 
-from ..functional import NamedTensors, is_bias
-from ..sparsity import SparsityMixin
-from .base import BayesianModel, check_float, check_int, register_method
+from bayeswrap.core.functional import NamedTensors, is_bias
+from bayeswrap.methods.base import BayesianModel, check_float, check_int, register_method
+from bayeswrap.methods.sparsity import SparsityMixin
 
 K1, K2, K3 = 0.63576, 1.87320, 1.48695
 C1, C2, C3 = 1.16145124, -1.50204118, 0.58629921
@@ -165,7 +164,7 @@ class _LogUniformVD(SparsityMixin, BayesianModel):
         return super().sample(num_samples, generator)
 
     def log_alpha(self) -> dict[str, torch.Tensor]:
-        """log α = log σ² − log θ² of every weight (unclipped; +inf where pruned), ``{name: tensor}``."""
+        """Log α = log σ² − log θ² of every weight (unclipped; +inf where pruned), ``{name: tensor}``."""
         with torch.no_grad():
             mean, std = self.posterior_mean(), self.posterior_std()
             return {n: torch.where(self.keep[n], torch.log(std[n].pow(2)) - torch.log(m.pow(2)), math.inf)
@@ -283,7 +282,7 @@ class KingmaVD(_LogUniformVD):
         return {n: (0.5 * self._clipped(n)).exp() * t.abs() for n, t in self.theta.items()}
 
     def _train_sample(self):
-        """w = θ (1 + √α ε) (pruned weights 0)."""
+        """W = θ (1 + √α ε) (pruned weights 0)."""
         out = {}
         for n, t in self.theta.items():
             w = t * (1 + (0.5 * self._clipped(n)).exp() * torch.randn_like(t))

@@ -50,12 +50,11 @@ import math
 
 import torch
 
-from ..functional import NamedTensors
-from ..layers import lrt_names, lrt_theta
-from ..fused import mean_field_sample, standard_normal_like
-from ..sparsity import SparsityMixin
-from .base import BayesianModel, check_int, check_scale, register_method
-
+from bayeswrap.core.functional import NamedTensors
+from bayeswrap.core.fused import mean_field_sample, standard_normal_like
+from bayeswrap.core.layers import lrt_names, lrt_theta
+from bayeswrap.methods.base import BayesianModel, check_int, check_scale, register_method
+from bayeswrap.methods.sparsity import SparsityMixin
 
 #: c, the curvature of the per-datum ELBO in ρ at the mean-field optimum (see the module docstring)
 LOG_STD_CURVATURE = 0.1
@@ -67,7 +66,7 @@ def log_std_scale(num_data: int, kl_weight: float) -> float:
 
 
 @register_method("vi")
-class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_deterministic (bayeswrap.sparsity)
+class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_deterministic (bayeswrap.methods.sparsity)
     """Mean-field Gaussian VI over the Bayesian parameters.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
@@ -80,12 +79,12 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
             so the start matters little.
         num_train_samples: Monte Carlo samples of θ per training step (integer ≥ 1).
         fused: draw the sample and the KL with the fused multi-tensor kernel
-            and closed-form gradients (:func:`bayeswrap.fused.mean_field_sample`);
+            and closed-form gradients (:func:`bayeswrap.core.fused.mean_field_sample`);
             False uses the plain autograd reference. Same values and gradients.
         local_reparam: sample the pre-activations of every ``nn.Linear`` / ``nn.Conv2d``
             whose weight is Bayesian instead of its weights (the local
             reparameterisation trick, Kingma, Salimans & Welling 2015, §2.3; see
-            :mod:`bayeswrap.layers`): the same predictive distribution per example,
+            :mod:`bayeswrap.core.layers`): the same predictive distribution per example,
             with lower-variance gradients. Other Bayesian parameters (and layer
             types without LRT support) keep weight sampling.
 
@@ -100,6 +99,9 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
         rho: scaled log-stds ρ = log(s)/κ, ``{name: Parameter}``.
         log_std_scale: κ = sqrt(c num_data / (2 kl_weight)), fixed at construction.
     """
+
+    tuning = ("kl_weight", (0.001, 0.01, 0.1, 1.0))  # the tempering of the KL term (BayesDLL's kld)
+    in_default_comparison = True
 
     def __init__(self, model, *, init_std: float = 1e-3, num_train_samples: int = 1, fused: bool = True,
                  local_reparam: bool = False, **kwargs):
@@ -182,7 +184,7 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
         return self.mean.as_dict()
 
     def posterior_std(self):
-        """s = exp(κ ρ), ``{name: tensor}``.
+        """S = exp(κ ρ), ``{name: tensor}``.
 
         In eval mode without autograd (predictions) the result is cached until ρ
         changes (tracked by the tensors' version counters), so repeated

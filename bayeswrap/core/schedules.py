@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from .checks import check_int
+from bayeswrap.core.checks import check_int
 
 __all__ = ["KLSchedule", "constant", "check_factor", "cycle_length", "cyclical_position",
            "cyclical_step_size", "exploration_steps"]

@@ -17,7 +17,7 @@ rotation and noise shift, against held-out classes), and write the run folder::
 Every file is written atomically.
 
 Under ``torchrun --nproc_per_node=N`` (``WORLD_SIZE`` > 1), ``fit`` trains data-parallel
-(:mod:`bayeswrap.distributed`): it initialises the process group itself (gloo on CPU,
+(:mod:`bayeswrap.core.distributed`): it initialises the process group itself (gloo on CPU,
 nccl on CUDA), ``--batch-size`` is the global batch (a multiple of N, split equally
 over the ranks), and only rank 0 creates, locks and writes the run folder. Every rank
 trains and evaluates (identical replicas); the final reports are computed on rank 0.
@@ -40,18 +40,32 @@ from pathlib import Path
 import torch
 import yaml
 
-from . import distributed, plots, runs
-from .evaluation import calibration, protocol
-from .evaluation.shift import shifted_dataset
-from .config import FIELDS, RESUME_ALLOWED, RunConfig, coerce, load_run_config, load_yaml, resolve, resolve_values
-from .data import DataError
-from .experiment import EpochLoader, build, data_info, device_of, eval_loader, make_optimizer, make_scheduler
-from .io import CheckpointError, load_checkpoint, save_checkpoint, write_json, write_text, write_yaml
-from .methods import METHODS
-from .predictive import evaluate as evaluate_loader
-from .predictive import sample_probs_loader
-from .training import fit
-from .tuning import tune, tuning_option
+from bayeswrap.app import runs
+from bayeswrap.app.build import EpochLoader, build, data_info, device_of, eval_loader, make_optimizer, make_scheduler
+from bayeswrap.app.config import (
+    FIELDS,
+    RESUME_ALLOWED,
+    RunConfig,
+    coerce,
+    load_run_config,
+    load_yaml,
+    read_yaml_file,
+    resolve,
+    resolve_values,
+)
+from bayeswrap.app.options import all_option_specs, option_specs, option_users
+from bayeswrap.core import distributed
+from bayeswrap.core.io import CheckpointError, load_checkpoint, save_checkpoint, write_json, write_text, write_yaml
+from bayeswrap.data.datasets import DataError
+from bayeswrap.data.inputs import load_inputs
+from bayeswrap.data.shift import shifted_dataset
+from bayeswrap.evaluation import calibration, plots, protocol
+from bayeswrap.evaluation.tuning import tune
+from bayeswrap.evaluation.uncertainty import expected_entropy, mutual_information, predictive_entropy
+from bayeswrap.methods import METHODS, tuning_option
+from bayeswrap.predictive import evaluate as evaluate_loader
+from bayeswrap.predictive import sample_probs_loader
+from bayeswrap.training import fit
 
 log = logging.getLogger("bayeswrap")
 
@@ -164,7 +178,7 @@ def resume_config(run_dir: str | Path, overrides: dict) -> tuple[RunConfig, dict
     Args:
         run_dir: a run folder written by ``fit`` (it holds ``config.yaml``).
         overrides: command-line options; those equal to the saved values are
-            ignored, those in :data:`bayeswrap.config.RESUME_ALLOWED` are applied.
+            ignored, those in :data:`bayeswrap.app.config.RESUME_ALLOWED` are applied.
 
     Returns:
         ``(cfg, changes)`` with ``changes = {option: [saved, new]}``. ``out_dir``
@@ -185,6 +199,8 @@ def resume_config(run_dir: str | Path, overrides: dict) -> tuple[RunConfig, dict
             raise ValueError(f"--resume {run_dir}: {key} cannot be given with --resume (the run folder is "
                              f"{run_dir})")
         new = coerce(key, value)
+        if key not in FIELDS:  # a method option: the saved value, else the method's default
+            values[key] = saved.option(key)
         if new == values[key]:
             continue
         if key not in RESUME_ALLOWED:
@@ -194,7 +210,7 @@ def resume_config(run_dir: str | Path, overrides: dict) -> tuple[RunConfig, dict
         changes[key] = [values[key], new]
         values[key] = new
     values.update(out_dir=str(run_dir.parent), run_name=run_dir.name, overwrite=False)
-    return RunConfig(**values).validate(), changes
+    return RunConfig(**{k: v for k, v in values.items() if k in FIELDS}).validate(), changes
 
 
 def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict | None = None, *,
@@ -203,7 +219,7 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
     """Trains one configuration end to end and writes its run folder.
 
     Everything is checked (config, data, model, checkpoint) before a file is
-    written. The run holds the folder's lock (:class:`bayeswrap.runs.RunLock`)
+    written. The run holds the folder's lock (:class:`bayeswrap.app.runs.RunLock`)
     until it ends.
 
     Args:
@@ -228,9 +244,9 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
 
     Raises:
         RunInterrupted: on Ctrl-C (the last finished epoch stays in ``last.pt``).
-        bayeswrap.runs.RunFolderError: if the folder exists (without resume or
+        bayeswrap.app.runs.RunFolderError: if the folder exists (without resume or
             overwrite), is not a run folder, or another run holds it (on every rank).
-        bayeswrap.io.CheckpointError: naming the file, for a damaged ``last.pt``.
+        bayeswrap.core.io.CheckpointError: naming the file, for a damaged ``last.pt``.
         ValueError: data-parallel, for a full-batch sampler (hmc, mh) or a
             ``batch_size`` that is not a multiple of the world size.
     """
@@ -351,8 +367,9 @@ def _sample_and_report(cfg, run_dir, splits, ood_test, bnn, device, sample_count
     x = torch.cat([b[0] for b in loader])
     y = torch.cat([b[1] for b in loader])
     log.info("config: %s", cfg.to_dict())
-    stats = bnn.run_chains(x, y, num_samples=cfg.chain_samples, num_warmup=cfg.num_warmup,
-                           num_chains=cfg.num_chains, thinning=cfg.thinning,
+    specs = option_specs(cfg.method)
+    run_options = {specs[k].argument: v for k, v in cfg.method_options.items() if specs[k].target == "run"}
+    stats = bnn.run_chains(x, y, **run_options,
                            generator=torch.Generator(device=device).manual_seed(cfg.seed))
     save_checkpoint(run_dir / "best.pt", bnn.state_dict())
     diagnostics = bnn.diagnostics()
@@ -522,7 +539,12 @@ def evaluate_run(run_dir: str | Path, num_samples: int | None = None) -> dict:
     return report
 
 
-COMPARE_METHODS = ("map", "vi", "ivon", "mc_dropout", "sgld", "laplace")
+def compare_methods() -> tuple[str, ...]:
+    """The methods ``bayeswrap compare`` runs by default: those whose class sets ``in_default_comparison``."""
+    return tuple(m for m, cls in METHODS.items() if cls.in_default_comparison)
+
+
+COMPARE_METHODS = compare_methods()  # at import; the parser reads compare_methods() live
 COMPARE_COLUMNS = ("method", "num_samples", "error", "ece", "nll", "ece_Topt", "nll_Topt", "temperature",
                    "shift_error", "shift_ece", "shift_nll", "shift_ece_Topt", "shift_nll_Topt",
                    "ood_auroc_entropy", "ood_auroc_mi")
@@ -580,7 +602,7 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
     (so ``per_method`` entries apply), and each method gets its own run folder.
 
     With ``tune_options`` (the default; ``--no-tune`` turns it off) every method
-    first selects its key option (:data:`bayeswrap.tuning.TUNING`) by the
+    first selects its key option (:data:`bayeswrap.evaluation.tuning.TUNING`) by the
     validation NLL of the posterior predictive at the last S of
     ``sample_counts``, each grid point trained on the same budget; the final run
     uses the chosen value, and each ``metrics.json`` records the grid, the
@@ -589,7 +611,7 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
     The comparison folder keeps its own invocation in ``compare.yaml``. With
     ``resume`` (a comparison folder), that invocation is read back: finished
     methods are kept, an interrupted one continues from its checkpoint, and
-    ``overrides`` may change only :data:`bayeswrap.config.RESUME_ALLOWED`
+    ``overrides`` may change only :data:`bayeswrap.app.config.RESUME_ALLOWED`
     options; ``config_path``, ``methods``, ``sample_counts`` and
     ``tune_options`` are then taken from ``compare.yaml``.
 
@@ -605,7 +627,6 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
         if not saved_path.is_file():
             raise ValueError(f"--resume {base}: no compare.yaml there; accepted: a folder written by bayeswrap "
                              f"compare")
-        from .config import read_yaml_file
 
         saved = read_yaml_file(saved_path)
         try:
@@ -615,7 +636,8 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
                 bool(saved["tune"])
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"{saved_path} is not a valid comparison record ({err})") from None
-        before = resolve_values(file_values, {**saved_overrides, "method": methods[0]}).to_dict()
+        first = resolve_values(file_values, {**saved_overrides, "method": methods[0]}, foreign_flags="drop")
+        before = {**first.to_dict(), **first.method_options}
         for key, value in overrides.items():
             new = coerce(key, value)
             if new == before.get(key):
@@ -633,9 +655,13 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
     if unknown or not methods:
         raise ValueError(f"--methods {','.join(unknown or methods) or repr('')} not known; accepted: "
                          f"{', '.join(METHODS)}")
-    configs = {m: resolve_values(file_values, {**overrides, "method": m}) for m in methods}  # validate all first
-    for m, c in configs.items():
-        _check_method_options(c)
+    users = option_users()
+    foreign = [k for k in overrides if k in users and not set(users[k]) & set(methods)]
+    if foreign:
+        raise ValueError(f"{', '.join(foreign)}: not an option of any compared method ({', '.join(methods)}); "
+                         f"{foreign[0]} is an option of {', '.join(users[foreign[0]])}")
+    # validate every method first (each method's options are checked by its constructor)
+    configs = {m: resolve_values(file_values, {**overrides, "method": m}, foreign_flags="drop") for m in methods}
     cfg = configs[methods[0]]
     base = Path(cfg.out_dir) / (cfg.run_name or f"compare-{cfg.dataset}-{cfg.model.replace(':', '_')}")
     command = f"bayeswrap compare --resume {base}"
@@ -679,28 +705,17 @@ def _compare_one(base: Path, method: str, cfg: RunConfig, sample_counts, tune_op
         tuning = {"option": knob[0], "grid": list(knob[1])}  # post hoc, inside run_fit
     elif knob is not None and resume and tuning_path.is_file():
         tuning = json.loads(tuning_path.read_text(encoding="utf-8"))
-        run_cfg = replace(run_cfg, **{tuning["option"]: tuning["chosen"]})
+        run_cfg = run_cfg.with_options(**{tuning["option"]: tuning["chosen"]})
     elif knob is not None:
         option, grid = knob
         log.warning("compare: tuning %s's %s over %s by validation NLL", method, option, list(grid))
         tuning = {"option": option, **tune(grid, lambda v: tuning_score(
-            replace(run_cfg, **{option: v}).validate(), sample_counts[-1]))}
+            run_cfg.with_options(**{option: v}).validate(), sample_counts[-1]))}
         write_json(tuning_path, tuning)
-        run_cfg = replace(run_cfg, **{option: tuning["chosen"]})
+        run_cfg = run_cfg.with_options(**{option: tuning["chosen"]})
     resume_run = resume and runs.is_run_folder(run_dir)
     return run_fit(run_cfg.validate(), sample_counts, tuning, resume=resume_run, changes=changes or None,
                    resume_command=command)[1]
-
-
-def _check_method_options(cfg: RunConfig) -> None:
-    """Wraps a two-weight stand-in model with the config's method options, so bad values fail before any run."""
-    from .methods import method_options, wrap
-
-    options = {k: getattr(cfg, k) for k in method_options(cfg.method) if k in FIELDS}
-    if cfg.method == "sgld":
-        options["cycles"] = cfg.cycles or None
-    wrap(torch.nn.Linear(2, 2), cfg.method, num_data=10, prior_std=cfg.prior_std, bias=cfg.bias,
-         kl_weight=cfg.kl_weight, **options)
 
 
 def _int_list(text: str) -> list[int]:
@@ -716,7 +731,7 @@ def _int_list(text: str) -> list[int]:
 def _add_config_options(parser: argparse.ArgumentParser, skip=()) -> None:
     parser.add_argument("-c", "--config", help="YAML file with option defaults (command-line flags override it)")
     for name, f in FIELDS.items():
-        if name in skip:
+        if name in skip or name == "method_options":
             continue
         flag = "--" + name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -732,6 +747,24 @@ def _add_config_options(parser: argparse.ArgumentParser, skip=()) -> None:
         else:
             metavar = {dict: "YAML", int: "INT", float: "FLOAT", str: "STR"}[type(default)]
             parser.add_argument(flag, default=argparse.SUPPRESS, dest=name, metavar=metavar, help=help_text)
+    group = parser.add_argument_group("method options", "read from the method classes: each flag is an argument of "
+                                      "the methods named, and an unset flag keeps that method's default")
+    users = option_users()
+    for name, spec in all_option_specs().items():
+        if name in FIELDS or name in skip:
+            continue
+        defaults = {m: option_specs(m)[name].default for m in users[name]}
+        shown = ", ".join(f"{m}: {d!r}" for m, d in defaults.items()) if len(set(map(repr, defaults.values()))) > 1 \
+            else repr(spec.default)
+        kind = type(spec.default)
+        metavar = {bool: "BOOL", int: "INT", float: "FLOAT", str: "STR", tuple: "LIST"}.get(kind, "VALUE")
+        help_text = f"({', '.join(users[name])}) {spec.help} (default: {shown})".replace("%", "%%")
+        if kind is bool:
+            group.add_argument("--" + name.replace("_", "-"), nargs="?", const="true", default=argparse.SUPPRESS,
+                               dest=name, metavar=metavar, help=help_text)
+        else:
+            group.add_argument("--" + name.replace("_", "-"), default=argparse.SUPPRESS, dest=name, metavar=metavar,
+                               help=help_text)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -744,14 +777,14 @@ def make_parser() -> argparse.ArgumentParser:
                             f"only these options may change: {', '.join(RESUME_ALLOWED)}")
     p_cmp = sub.add_parser("compare", help="run several methods on the same data and split; write a table")
     _add_config_options(p_cmp, skip=("method", "num_samples"))
-    p_cmp.add_argument("--methods", default=",".join(COMPARE_METHODS),
-                       help=f"comma-separated methods (default: {','.join(COMPARE_METHODS)}; also: "
-                            f"{','.join(m for m in METHODS if m not in COMPARE_METHODS)})")
+    p_cmp.add_argument("--methods", default=",".join(compare_methods()),
+                       help=f"comma-separated methods (default: {','.join(compare_methods())}; also: "
+                            f"{','.join(m for m in METHODS if m not in compare_methods())})")
     p_cmp.add_argument("--num-samples", default="0,5", dest="num_samples_list",
                        help="comma-separated posterior sample counts S (default: 0,5)")
     p_cmp.add_argument("--no-tune", action="store_false", dest="tune",
                        help="skip the tuning of each method's key option by validation NLL "
-                            "(bayeswrap.tuning.TUNING); use the configured values")
+                            "(bayeswrap.evaluation.tuning.TUNING); use the configured values")
     p_cmp.add_argument("--resume", metavar="COMPARE_DIR", default=None,
                        help="continue an interrupted comparison in COMPARE_DIR with its own compare.yaml (finished "
                             "methods are kept)")
@@ -782,8 +815,6 @@ def predict_rows(probs: torch.Tensor, names: list[str], class_names: list[str]) 
     for each class, ``entropy`` (of the posterior predictive, nats),
     ``expected_entropy`` and ``mutual_information`` (nats; empty for S < 2).
     """
-    from .evaluation.uncertainty import expected_entropy, mutual_information, predictive_entropy
-
     mean = probs.mean(0)
     entropy = predictive_entropy(probs).tolist()
     epistemic = mutual_information(probs).tolist() if probs.shape[0] >= 2 else [None] * len(names)
@@ -800,7 +831,6 @@ def predict_rows(probs: torch.Tensor, names: list[str], class_names: list[str]) 
 
 
 def _predict_command(args) -> int:
-    from .data import load_inputs
 
     s = None if args.num_samples is None else _count("num_samples", args.num_samples, 0)
     batch_size = _count("batch_size", args.batch_size, 1)
@@ -874,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "predict":
             return _predict_command(args)
         overrides = {k: v for k, v in vars(args).items()
-                     if k in FIELDS and k not in ("command", "config", "tune")}
+                     if (k in FIELDS or k in option_users()) and k not in ("command", "config", "tune")}
         if args.command == "fit":
             if args.resume is not None:
                 if args.config:

@@ -62,7 +62,7 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T2
 from torchvision.transforms.v2 import functional as TF
 
-from ..data import ArrayDataset, DataSplits, TransformSubset, _dataset_targets
+from bayeswrap.data.datasets import ArrayDataset, DataSplits, TransformSubset, _dataset_targets
 
 __all__ = [
     "NOISE_STDS",

@@ -14,11 +14,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import yaml
 
-from .data import DATASETS
-from .methods import METHODS
-from .checks import SCALE_RANGE
+from bayeswrap.app.options import coerce_option, option_specs, option_users
+from bayeswrap.core.checks import SCALE_RANGE
+from bayeswrap.data.datasets import DATASETS
+from bayeswrap.methods import METHODS, wrap
 
 
 def _f(default, help: str, **kw):
@@ -41,10 +43,9 @@ BAYESDLL_PER_METHOD = {
 #: the prior and initial stds a run accepts: σ, 1/σ² and log σ stay finite in float32 (as the API checks)
 PRIOR_STD_RANGE = SCALE_RANGE
 
-#: the built-in per-method settings: methods with their own optimizer take their own step size (IVON's lr
-#: scales an averaged gradient, with no momentum sum; SGLD has no momentum), chosen on digits' validation NLL
-DEFAULT_PER_METHOD = {"ivon": {"lr": 0.5}, "sgld": {"lr": 0.2},
-                      "lbbnn": {"local_reparam": True, "optimizer": "adamw", "lr": 0.01}}
+#: the built-in per-method run settings, read from each method class's ``recommended`` (e.g. the step size of a
+#: method that owns its update); method options are not among them: their defaults are the constructor's
+DEFAULT_PER_METHOD = {name: dict(cls.recommended) for name, cls in METHODS.items() if cls.recommended}
 #: named ``per_method`` mappings a config can ask for
 PER_METHOD_PRESETS = {"bayesdll_mnist": BAYESDLL_PER_METHOD}
 
@@ -72,30 +73,12 @@ class RunConfig:
     kl_weight: float = _f(1.0, "weight of the KL/prior term (BayesDLL kld)")
     num_data_inflate: float = _f(1.0, "num_data = train size x this factor (BayesDLL Ninflate)")
     num_samples: int = _f(5, "posterior samples S for test predictions (0 = posterior mean; BayesDLL nst)")
-    init_std: float = _f(1e-3, "vi: initial posterior std")
-    num_train_samples: int = _f(1, "vi/mc_dropout: Monte Carlo samples per training step")
-    p_drop: float = _f(0.1, "mc_dropout: drop probability")
     burn_in_epochs: str = _f("auto", "sgld: burn-in in epochs (converted to optimizer steps), or auto (the first "
                              "half of training)")
-    thinning: int = _f(10, "sgld: keep every n-th iterate after burn-in (optimizer steps; BayesDLL thin)")
     noise_scale: float = _f(1.0, "sgld: Langevin noise multiplier (BayesDLL nd); < 1 is a cold posterior, "
                             "temperature noise_scale²")
-    predictive: str = _f("ensemble", "sgld: ensemble (of the kept iterates) or gaussian (moment-matched, diagonal)")
-    max_samples: int = _f(100, "sgld: most kept iterates stored for the ensemble (thinned by 2 when full)")
-    sample_dtype: str = _f("float32", "sgld: dtype of the stored iterates: float32, bfloat16, float16, float64")
-    cycles: int = _f(0, "sgld: cyclical SGLD cycles (Zhang et al. 2020); 0 = plain SGLD")
-    exploration: float = _f(0.5, "sgld: fraction of each cycle spent exploring (no noise, no samples)")
-    prior_inclusion: float = _f(0.1, "lbbnn: prior inclusion probability α_p of each weight, in (0, 1)")
-    flow_length: int = _f(0, "lbbnn: IAF steps of the multiplicative normalizing flow per layer (0 = LBBNN-LRT, "
-                          "2 = LBBNN-FLOW)")
-    local_reparam: bool = _f(False, "vi, lbbnn: sample the pre-activations of Bayesian Linear/Conv2d layers (local "
-                             "reparameterisation; lbbnn's built-in default is true)")
-    num_chains: int = _f(4, "hmc, mh: chains run in lockstep on the full training set")
-    num_warmup: int = _f(500, "hmc, mh: warm-up (adaptation) iterations per chain, not kept")
-    chain_samples: int = _f(1000, "hmc, mh: iterations per chain after warm-up (every thinning-th is kept)")
-    curvature: str = _f("ggn", "laplace: ggn (exact diagonal generalised Gauss-Newton), fisher (Monte Carlo GGN) "
-                        "or empirical_fisher")
-    pred_type: str = _f("glm", "laplace: glm (linearised predictive, Immer et al. 2021) or nn (sampled network)")
+    method_options: dict = _f({}, "the method's own options, {option: value}: only those given; every other option "
+                              "keeps the library default (flags: bayeswrap fit --help, 'method options')")
     # optimisation
     epochs: int = _f(40, "training epochs")
     lr: float = _f(0.05, "learning rate of the body")
@@ -158,11 +141,12 @@ class RunConfig:
         if self.warmup_epochs >= self.epochs:
             raise ValueError(f"warmup_epochs={self.warmup_epochs} is out of range; accepted: an integer in "
                              f"[0, epochs={self.epochs})")
-        if self.method == "sgld" and self.cycles and (self.scheduler != "constant" or self.warmup_epochs):
+        if self.method == "sgld" and self.option("cycles") and (self.scheduler != "constant" or self.warmup_epochs):
             raise ValueError(f"scheduler={self.scheduler!r}, warmup_epochs={self.warmup_epochs}: cyclical SGLD "
-                             f"(cycles={self.cycles}) sets its own step size; accepted: scheduler=constant, "
+                             f"(cycles={self.option('cycles')}) sets its own step size; accepted: scheduler=constant, "
                              f"warmup_epochs=0")
-        for name in ("overwrite", "progress", "download", "pretrained", "local_reparam"):
+        self.check_method_options()
+        for name in ("overwrite", "progress", "download", "pretrained"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not a boolean; accepted: true, false")
         check_run_name(self.run_name)
@@ -171,6 +155,46 @@ class RunConfig:
         self.rotation_angles(), self.noise_stds(), self.held_out_classes()  # parse (raises on bad lists)
         self.burn_in()
         return self
+
+    def option(self, name: str) -> Any:
+        """The value of one of the method's options: the one given, else the library default.
+
+        Raises:
+            ValueError: if ``name`` is not an option of ``self.method``.
+        """
+        specs = option_specs(self.method)
+        if name not in specs:
+            raise ValueError(f"{name} is not an option of method {self.method!r}; accepted: "
+                             f"{', '.join(specs) or 'none'}")
+        return self.method_options.get(name, specs[name].default)
+
+    def with_options(self, **values) -> RunConfig:
+        """A copy with run options and method options changed (method options by their names, e.g. ``p_drop``)."""
+        fields = {k: v for k, v in values.items() if k in FIELDS}
+        options = {k: v for k, v in values.items() if k not in FIELDS}
+        return dataclasses.replace(self, **fields, method_options={**self.method_options, **options})
+
+    def check_method_options(self) -> None:
+        """Checks ``method_options`` by the method's own constructor, on a two-weight stand-in model.
+
+        Raises:
+            ValueError: for an option the method does not take (listing those it does), or a value the
+                method's constructor refuses (its message names the value and the accepted ones).
+        """
+        if not isinstance(self.method_options, dict):
+            raise ValueError(f"method_options={self.method_options!r} is not a mapping {{option: value}}")
+        specs = option_specs(self.method)
+        for name in self.method_options:
+            if name not in specs:
+                users = option_users().get(name)
+                raise ValueError(f"{name} is not an option of method {self.method!r}" + (
+                    f" (it is an option of {', '.join(users)})" if users else "") +
+                    f"; accepted: {', '.join(specs) or 'none'}")
+        init = {specs[k].argument: v for k, v in self.method_options.items() if specs[k].target == "init"}
+        if self.method == "sgld" and init.get("cycles") == 0:
+            init["cycles"] = None
+        wrap(torch.nn.Linear(2, 2), self.method, num_data=10, prior_std=self.prior_std, bias=self.bias,
+             kl_weight=self.kl_weight, **init)
 
     def burn_in(self) -> float | None:
         """SGLD burn-in in epochs (a finite number >= 0), or None for ``auto``."""
@@ -233,9 +257,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 #: the method and the model zoo)
 CHOICES: dict[str, tuple[str, ...]] = {
     "dataset": DATASETS, "prior_mean": ("auto", "init", "zero"), "optimizer": ("sgd", "adamw"),
-    "scheduler": ("constant", "cosine"), "predictive": ("ensemble", "gaussian"), "pred_type": ("glm", "nn"),
-    "curvature": ("ggn", "fisher", "empirical_fisher"),
-    "sample_dtype": ("float32", "bfloat16", "float16", "float64"),
+    "scheduler": ("constant", "cosine"),
     "amp": ("none", "bf16", "fp16"),
 }
 
@@ -261,10 +283,6 @@ RANGES: dict[str, tuple[Any, str]] = {
     "epochs": (lambda v: v >= 1, "an integer >= 1"),
     "batch_size": (lambda v: v >= 1, "an integer >= 1"),
     "num_samples": (lambda v: v >= 0, "an integer >= 0"),
-    "num_train_samples": (lambda v: v >= 1, "an integer >= 1"),
-    "thinning": (lambda v: v >= 1, "an integer >= 1"),
-    "max_samples": (lambda v: v >= 0, "an integer >= 0"),
-    "cycles": (lambda v: v >= 0, "an integer >= 0"),
     "img_size": (lambda v: v >= 0, "an integer >= 0"),
     "num_workers": (lambda v: v >= 0, "an integer >= 0"),
     "n_bins": (lambda v: v >= 1, "an integer >= 1"),
@@ -280,16 +298,7 @@ RANGES: dict[str, tuple[Any, str]] = {
                   f"a number in [{PRIOR_STD_RANGE[0]:g}, {PRIOR_STD_RANGE[1]:g}]"),
     "kl_weight": (lambda v: v >= 0, "a finite number >= 0"),
     "num_data_inflate": (lambda v: v > 0, "a finite number > 0"),
-    "init_std": (lambda v: PRIOR_STD_RANGE[0] <= v <= PRIOR_STD_RANGE[1],
-                 f"a number in [{PRIOR_STD_RANGE[0]:g}, {PRIOR_STD_RANGE[1]:g}]"),
-    "p_drop": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
     "noise_scale": (lambda v: v >= 0, "a finite number >= 0"),
-    "exploration": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    "prior_inclusion": (lambda v: 0 < v < 1, "a number in (0, 1)"),
-    "num_chains": (lambda v: v >= 1, "an integer >= 1"),
-    "num_warmup": (lambda v: v >= 0, "an integer >= 0"),
-    "chain_samples": (lambda v: v >= 1, "an integer >= 1"),
-    "flow_length": (lambda v: v >= 0, "an integer >= 0"),
 }
 #: options a resumed run may change: they do not touch the data, the split, the model or the method
 RESUME_ALLOWED = ("epochs", "lr", "lr_head", "momentum", "weight_decay", "scheduler", "warmup_epochs",
@@ -323,7 +332,10 @@ def coerce(name: str, value: Any) -> Any:
     if name == "resume":
         raise ValueError("resume is not a config option; resume a run with: bayeswrap fit --resume RUN_DIR")
     if name not in FIELDS:
-        raise ValueError(f"unknown option {name!r}; accepted: {', '.join(FIELDS)}")
+        if name in option_users():
+            return coerce_option(name, value)
+        raise ValueError(f"unknown option {name!r}; accepted: {', '.join(FIELDS)}, or a method option: "
+                         f"{', '.join(option_users())}")
     kind = type(FIELDS[name].default) if FIELDS[name].default is not dataclasses.MISSING else dict
     if name == "amp" and value is not None:
         return amp_value(value)
@@ -331,6 +343,10 @@ def coerce(name: str, value: Any) -> Any:
         default = FIELDS[name].default if kind is not dict else DEFAULT_PER_METHOD
         raise ValueError(f"{name}=None (an empty value) is not valid; give a {kind.__name__} or leave the option "
                          f"out to use its default {default!r}")
+    if name == "method_options":
+        if not isinstance(value, dict):
+            raise ValueError(f"method_options={value!r} must be a mapping {{option: value}}")
+        return {str(k): coerce(str(k), v) for k, v in value.items()}
     if kind is dict:
         if isinstance(value, str) and value.strip() in PER_METHOD_PRESETS:
             return copy.deepcopy(PER_METHOD_PRESETS[value.strip()])
@@ -389,20 +405,32 @@ def coerce(name: str, value: Any) -> Any:
 
 def method_fields() -> dict[str, tuple[str, ...]]:
     """``{option: methods that use it}`` for the options only some methods use (the rest apply to all)."""
-    from .methods import method_options
-
-    users: dict[str, list[str]] = {}
-    aliases = {"burn_in": "burn_in_epochs"}  # the method's option -> the run option that sets it
-    for method in METHODS:
-        for option in method_options(method):
-            option = aliases.get(option, option)
-            if option in FIELDS:
-                users.setdefault(option, []).append(method)
+    users = {k: list(v) for k, v in option_users().items()}
+    users.setdefault("burn_in_epochs", []).append("sgld")  # converted to SGLD's burn_in (steps)
     users.setdefault("noise_scale", []).append("sgld")  # an option of SGLD's optimizer
-    for option in ("num_warmup", "chain_samples"):  # options of run_chains
-        users.setdefault(option, []).extend(["mh", "hmc"])
-    users.setdefault("thinning", []).extend(["mh", "hmc"])
     return {k: tuple(v) for k, v in users.items()}
+
+
+def from_values(values: dict[str, Any], *, foreign: str = "error") -> RunConfig:
+    """A validated :class:`RunConfig` from flat ``{option: value}`` (run fields and method options mixed).
+
+    Method options are gathered into ``method_options`` (over any ``method_options`` mapping in ``values``).
+
+    Args:
+        values: coerced values (see :func:`coerce`).
+        foreign: what to do with a method option that the run's method does not take: ``"error"`` or
+            ``"drop"`` (a config file or a comparison's shared options may serve several methods).
+
+    Raises:
+        ValueError: naming a bad value or an option the method does not take.
+    """
+    fields = {k: v for k, v in values.items() if k in FIELDS}
+    options = dict(fields.pop("method_options", {}))
+    options.update({k: v for k, v in values.items() if k not in FIELDS})
+    method = fields.get("method", RunConfig.method)
+    if foreign == "drop" and method in METHODS:
+        options = {k: v for k, v in options.items() if k in option_specs(method)}
+    return RunConfig(**fields, method_options=options).validate()
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -487,8 +515,13 @@ def resolve(config_path: str | None, overrides: dict[str, Any]) -> RunConfig:
     return resolve_values(load_yaml(config_path) if config_path else {}, overrides)
 
 
-def resolve_values(values: dict[str, Any], overrides: dict[str, Any]) -> RunConfig:
-    """:func:`resolve` with the config file's values already read (``load_yaml``)."""
+def resolve_values(values: dict[str, Any], overrides: dict[str, Any], *, foreign_flags: str = "error"
+                   ) -> RunConfig:
+    """:func:`resolve` with the config file's values already read (``load_yaml``).
+
+    ``foreign_flags="drop"`` ignores the method options in ``overrides`` that the method does not take
+    (``compare`` shares one set of flags among methods); ``"error"`` refuses them.
+    """
     cli = {k: coerce(k, v) for k, v in overrides.items()}
     merged = {**values, **cli}
     method = merged.get("method", RunConfig.method)
@@ -498,7 +531,13 @@ def resolve_values(values: dict[str, Any], overrides: dict[str, Any]) -> RunConf
         values = {**values, **per_method}
     else:
         values = {**per_method, **values}
-    return RunConfig(**{**values, **cli}).validate()
+    # a file's (or a comparison's shared) method options serve the methods that take them; a flag of this
+    # run's own must be one of its method's options
+    accepted = option_specs(method) if method in METHODS else {}
+    shared = {k for k in values if k not in FIELDS and k not in accepted}
+    if foreign_flags == "drop":
+        shared |= {k for k in cli if k not in FIELDS and k not in accepted}
+    return from_values({k: v for k, v in {**values, **cli}.items() if k not in shared})
 
 
 def load_run_config(path: str | os.PathLike) -> RunConfig:
@@ -513,6 +552,9 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
         raise ValueError(f"{str(path)!r} is not a run config (a mapping of option: value)")
     data.pop("resume", None)
     try:
-        return RunConfig(**{k: coerce(k, v) for k, v in data.items()}).validate()
+        # run folders written before method options were read from the method classes hold every method's
+        # options as flat fields: each is kept for the method that takes it and dropped for the others
+        values = {k: coerce(k, v) for k, v in data.items() if k in FIELDS or k in option_users()}
+        return from_values(values, foreign="drop")
     except (TypeError, ValueError) as err:
         raise ValueError(f"{str(path)!r} is not a valid run config: {err}") from None

@@ -81,7 +81,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .likelihoods import at_least_float32
+from bayeswrap.core.likelihoods import at_least_float32
 
 #: routes a Bayesian parameter can take (see :attr:`LayerCurvature.routes`)
 ROUTES = ("linear", "conv", "layernorm", "groupnorm", "batchnorm", "module", "network", "unused")
@@ -408,7 +408,8 @@ class LayerCurvature:
 
 def _squared(g: torch.Tensor, owned: bool) -> torch.Tensor:
     """g², in place when g is a contiguous temporary that nothing else refers to (a fresh buffer costs page
-    faults on CPU); vjp results may alias other tensors and are squared out of place."""
+    faults on CPU); vjp results may alias other tensors and are squared out of place.
+    """
     if not owned:
         return g.square()
     return g.square_() if g.is_contiguous() else g.square()

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .methods.base import BayesianModel, NotFittedError
-from .checks import check_float, check_int
+from bayeswrap.core.checks import check_float, check_int
+from bayeswrap.methods.base import BayesianModel, NotFittedError
 
 RULES = ("log_alpha", "snr", "inclusion")
 DEFAULT_THRESHOLDS = {"log_alpha": 3.0, "snr": 0.83, "inclusion": 0.5}
@@ -465,19 +465,19 @@ class SparsityMixin:
             rho[n].data.masked_fill_(m, PRUNED_RHO)
 
     def sparsity(self, rule: str | None = None, threshold: float | None = None) -> SparsityReport:
-        """See :func:`bayeswrap.sparsity.sparsity`."""
+        """See :func:`bayeswrap.methods.sparsity.sparsity`."""
         return sparsity(self, rule, threshold)
 
     def prune(self, rule: str | None = None, threshold: float | None = None) -> SparsityReport:
-        """See :func:`bayeswrap.sparsity.prune`."""
+        """See :func:`bayeswrap.methods.sparsity.prune`."""
         return prune(self, rule, threshold)
 
     def prune_random(self, count: int | None = None, *, rule: str | None = None, threshold: float | None = None,
                      per_tensor: bool = True, generator: torch.Generator | None = None) -> SparsityReport:
-        """See :func:`bayeswrap.sparsity.prune_random`."""
+        """See :func:`bayeswrap.methods.sparsity.prune_random`."""
         return prune_random(self, count, rule=rule, threshold=threshold, per_tensor=per_tensor,
                             generator=generator)
 
     def to_deterministic(self) -> nn.Module:
-        """See :func:`bayeswrap.sparsity.to_deterministic`."""
+        """See :func:`bayeswrap.methods.sparsity.to_deterministic`."""
         return to_deterministic(self)

@@ -26,7 +26,11 @@ from typing import Any
 
 import torch
 
-from .io import CheckpointError, load_checkpoint, write_text
+from bayeswrap._version import __version__
+from bayeswrap.app.build import DataInfo, build_model, data_info, input_transform, load_splits
+from bayeswrap.app.config import load_run_config
+from bayeswrap.core.io import CheckpointError, load_checkpoint, write_text
+from bayeswrap.predictive import model_device, sample_probs_loader
 
 MARKER = ".bayeswrap-run"
 LOCK = ".lock"
@@ -124,7 +128,6 @@ def remove_stale_tmp(run_dir: Path) -> list[Path]:
 
 
 def _write_marker(run_dir: Path, kind: str) -> None:
-    from . import __version__
 
     write_text(run_dir / MARKER, json.dumps({"bayeswrap": __version__, "kind": kind}) + "\n")
 
@@ -138,7 +141,7 @@ def open_new(out_dir: str | os.PathLike, name: str, *, overwrite: bool = False, 
 
     Args:
         out_dir: the parent folder (created if missing).
-        name: a single path component (see :func:`bayeswrap.config.check_run_name`).
+        name: a single path component (see :func:`bayeswrap.app.config.check_run_name`).
         overwrite: replace the contents of an existing folder, if it is a
             bayeswrap run folder inside ``out_dir`` and no live process holds it.
         kind: ``"run"`` or ``"compare"``, written into the marker.
@@ -212,7 +215,7 @@ class LoadedRun:
 
     Attributes:
         run_dir: the run folder.
-        config: its :class:`~bayeswrap.config.RunConfig`.
+        config: its :class:`~bayeswrap.app.config.RunConfig`.
         model: the trained :class:`~bayeswrap.BayesianModel` (best checkpoint,
             finalised; eval mode, on the config's device).
         transform: PIL image -> one model input, float32 of shape ``input_shape``
@@ -246,8 +249,6 @@ class LoadedRun:
             ValueError: naming the value, for inputs of the wrong shape or with
                 non-finite values, or a bad ``num_samples``/``batch_size``.
         """
-        from .predictive import model_device, sample_probs_loader
-
         s = self.config.num_samples if num_samples is None else num_samples
         for name, value, low in (("num_samples", s, 0), ("batch_size", batch_size, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -283,14 +284,12 @@ def load_run(run_dir: str | os.PathLike, *, device: str | None = None) -> Loaded
     Raises:
         RunFolderError: if ``run_dir`` is not a run folder, or its run has not
             finished (it has no ``metrics.json``).
-        bayeswrap.io.CheckpointError: naming the file, if ``best.pt`` is damaged
+        bayeswrap.core.io.CheckpointError: naming the file, if ``best.pt`` is damaged
             or does not match the config.
         ValueError: if ``config.yaml`` or ``data.json`` is not valid.
     """
     from dataclasses import replace
 
-    from .config import load_run_config
-    from .experiment import DataInfo, build_model, data_info, input_transform, load_splits
 
     run_dir = Path(run_dir)
     for name in ("config.yaml", "best.pt"):

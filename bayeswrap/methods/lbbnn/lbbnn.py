@@ -15,7 +15,7 @@ an inclusion variable γ:
 Biases are Gaussian, q = N(μ̃, σ̃²) against N(θ̄, σ_p²) (no inclusion variable).
 
 **Training forward.** For ``nn.Linear`` / ``nn.Conv2d`` layers whose weight is
-Bayesian (:mod:`bayeswrap.layers`), pre-activations are sampled from their
+Bayesian (:mod:`bayeswrap.core.layers`), pre-activations are sampled from their
 moments (eqs. 5–6 of the paper): E[h] = b + Σ x α̃ μ̃ and
 Var[h] = σ_b² + Σ x² α̃(σ̃² + (1 − α̃) μ̃²) ("LBBNN-LRT"). Every other Bayesian
 weight is sampled whole, w = γ (μ̃ + σ̃ ε), with γ a relaxed Bernoulli sample
@@ -26,7 +26,7 @@ weight-sampling "LBBNN" of Table 1).
 **Flows** (``flow_length > 0``, "LBBNN-FLOW", MNF of Louizos & Welling 2017): each
 LRT layer has a multiplicative z (one per input neuron of a Linear layer, one per
 output channel of a Conv2d layer) from an IAF of ``flow_length`` MADE steps
-(:class:`bayeswrap.flows.MultiplicativeFlow`); μ̃ becomes μ̃ z in both moments and
+(:class:`bayeswrap.methods.lbbnn.flows.MultiplicativeFlow`); μ̃ becomes μ̃ z in both moments and
 in the KL, which gains log q(z) − log r(z | W) with MNF's auxiliary inverse model
 (eqs. 9–10, hardtanh). The same z serves the forward pass and the KL of a step
 (the paper's script draws a fresh z for the KL).
@@ -39,7 +39,7 @@ weights (LRT sampling, or Bernoulli γ draws for weight-sampled layers);
 ``model="mpm"`` is the median probability model: weights with α̃ > 0.5 only,
 w ~ N(μ̃ z, σ̃²). :meth:`LBBNN.density` is the fraction of weights with α̃ > 0.5,
 and :meth:`~LBBNN.prune` / :meth:`~LBBNN.to_deterministic` (from
-:mod:`bayeswrap.sparsity`) follow the MPM.
+:mod:`bayeswrap.methods.sparsity`) follow the MPM.
 
 σ̃ = softplus(ρ) as in the paper, whose models train with Adam; under plain SGD
 the tiny initial σ̃ (ρ = −9) moves slowly.
@@ -52,11 +52,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_float, check_int
-from ..functional import NamedTensors, is_bias
-from ..layers import lrt_names, lrt_theta
-from ..sparsity import PRUNED_RHO, SparsityMixin
-from .base import BayesianModel, register_method
+from bayeswrap.core.checks import check_float, check_int
+from bayeswrap.core.functional import NamedTensors, is_bias
+from bayeswrap.core.layers import lrt_names, lrt_theta
+from bayeswrap.methods.base import BayesianModel, register_method
+from bayeswrap.methods.lbbnn.flows import MultiplicativeFlow
+from bayeswrap.methods.sparsity import PRUNED_RHO, SparsityMixin
 
 #: λ of a weight the MPM keeps / drops after :meth:`LBBNN.prune` (sigmoid(±1e4) is exactly 1 / 0 in float32)
 INCLUDED_LOGIT = 1.0e4
@@ -98,6 +99,8 @@ class LBBNN(SparsityMixin, BayesianModel):
     """
 
     has_inclusion = True
+    #: AdamW at 0.01, as the LBBNN papers train (Hubin & Storvik 2019; Skaaret-Lund et al. 2023)
+    recommended = {"optimizer": "adamw", "lr": 0.01}
     default_sparsity_rule = "inclusion"
 
     def __init__(self, model, *, prior_inclusion: float = 0.10, flow_length: int = 0, local_reparam: bool = True,
@@ -130,7 +133,6 @@ class LBBNN(SparsityMixin, BayesianModel):
             self._lrt_set = lrt_names(self._lrt)
         self.flows = torch.nn.ModuleDict()
         if self.flow_length:
-            from ..flows import MultiplicativeFlow
 
             for i, layer in enumerate(self._lrt):
                 dim = layer.weight_shape[1] if layer.kind == "linear" else layer.weight_shape[0]
@@ -271,7 +273,8 @@ class LBBNN(SparsityMixin, BayesianModel):
 
     def regularizer(self) -> torch.Tensor:
         """KL(q || p) in nats: eq. 8 per weight, Gaussian for biases, and log q(z) − log r(z | W) with flows
-        (a one-sample estimate with a fresh z)."""
+        (a one-sample estimate with a fresh z).
+        """
         return self._sample_and_regularizer()[1]
 
     # ------------------------------------------------------------------ posterior summaries
@@ -331,7 +334,8 @@ class LBBNN(SparsityMixin, BayesianModel):
     # ------------------------------------------------------------------ pruning (the MPM)
     def _apply_prune(self, masks: dict[str, torch.Tensor]) -> None:
         """Pruned weights: μ̃ = 0, σ̃ = 0, α̃ = 0; every other weight with an inclusion variable gets α̃ = 1,
-        so that the full model becomes the MPM."""
+        so that the full model becomes the MPM.
+        """
         for n, m in masks.items():
             self.mean[n].data.masked_fill_(m, 0.0)
             self.rho[n].data.masked_fill_(m, PRUNED_RHO)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import difflib
 import os
-import warnings
 import pickle
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .io import CheckpointError
+from bayeswrap.core.io import CheckpointError
 
 __all__ = [
     "DEFAULT_MLP_HIDDEN",

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .checks import check_scale
+from bayeswrap.core.checks import check_scale
 
 LIKELIHOODS = ("categorical", "gaussian")
 
@@ -87,7 +87,7 @@ class Categorical:
         return F.cross_entropy(at_least_float32(outputs), y, reduction=reduction)
 
     def sample_targets(self, outputs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """y ~ p(y|x,θ): one label per row of ``outputs`` (B, K) → (B,)."""
+        """Y ~ p(y|x,θ): one label per row of ``outputs`` (B, K) → (B,)."""
         probs = at_least_float32(outputs.detach()).softmax(-1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -133,7 +133,7 @@ class Gaussian:
         return per.mean() if reduction == "mean" else per
 
     def sample_targets(self, outputs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """y ~ N(outputs, noise_std²)."""
+        """Y ~ N(outputs, noise_std²)."""
         noise = torch.randn(outputs.shape, generator=generator, device=outputs.device, dtype=outputs.dtype)
         return outputs.detach() + self.noise_std * noise
 

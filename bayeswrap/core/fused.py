@@ -21,7 +21,6 @@ from collections.abc import Sequence
 
 import torch
 
-
 #: elements per bucket of the per-parameter passes: small enough that a bucket's temporaries stay in a
 #: CPU's L2/L3 cache and add little to peak memory, large enough to amortise the per-call overhead
 BUCKET_NUMEL = 1 << 18
@@ -345,7 +344,7 @@ def dropout_sample(m: list[torch.Tensor], probs: list[float], means: list[torch.
 
 
 def uniform_like(tensors: Sequence[torch.Tensor], generator: torch.Generator | None = None) -> list[torch.Tensor]:
-    """u ~ U[0, 1) shaped like each tensor, exactly the draws :func:`dropout_sample` makes under the same RNG state.
+    """U ~ U[0, 1) shaped like each tensor, exactly the draws :func:`dropout_sample` makes under the same RNG state.
 
     Args:
         tensors: reference tensors (same dtype and device).

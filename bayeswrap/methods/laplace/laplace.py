@@ -78,13 +78,15 @@ import torch
 from torch.func import grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..distributed import all_reduce_sum_
-from ..curvature import LayerCurvature, basis_vectors, ggn_vectors, nll_gradient_vectors
-from ..functional import NamedTensors, _mangle, nonfinite_names
-from ..likelihoods import at_least_float32
-from .base import (BayesianModel, NotFittedError, batch_pair, check_float, check_inputs_finite, check_int,
-                   register_method)
-from .map import MAP
+from bayeswrap.core.batches import batch_pair, check_inputs_finite
+from bayeswrap.core.distributed import all_reduce_sum_
+from bayeswrap.core.functional import NamedTensors, _mangle, nonfinite_names
+from bayeswrap.core.likelihoods import at_least_float32
+from bayeswrap.evaluation.tuning import select_by_val_nll
+from bayeswrap.methods.base import BayesianModel, NotFittedError, check_float, check_int, register_method
+from bayeswrap.methods.laplace.curvature import LayerCurvature, basis_vectors, ggn_vectors, nll_gradient_vectors
+from bayeswrap.methods.map import MAP
+from bayeswrap.predictive import evaluate, model_device
 
 CURVATURES = ("ggn", "fisher", "empirical_fisher")
 PRED_TYPES = ("glm", "nn")
@@ -133,7 +135,7 @@ class Laplace(MAP):
         curvature_backend: how :meth:`fit_curvature` (and :meth:`ggn_diagonal`)
             sum squared per-example gradients. ``"layers"`` (default): one
             batched forward and backward pass with per-layer closed forms
-            (:mod:`bayeswrap.curvature`; Linear, Conv1d/2d, LayerNorm, GroupNorm,
+            (:mod:`bayeswrap.methods.laplace.curvature`; Linear, Conv1d/2d, LayerNorm, GroupNorm,
             eval-mode BatchNorm, and exact per-module or whole-network ``vmap``
             fallbacks for everything else), several times faster. ``"vmap"``:
             the reference, ``torch.func.vmap`` over examples of the whole
@@ -165,6 +167,9 @@ class Laplace(MAP):
 
     #: a checkpoint from before the log-likelihood was stored has it as NaN (see _load_from_state_dict)
     _nonfinite_state_keys = ("train_log_likelihood",)
+    #: post hoc, on the fitted curvature (no retraining; :meth:`optimize_prior_precision`)
+    tuning = ("prior_precision", tuple(10.0 ** k for k in range(-4, 5)))
+    in_default_comparison = True
 
     def __init__(self, model, *, curvature: str = "ggn", curvature_chunk_size: int = 32,
                  curvature_samples: int = 1, pred_type: str = "glm", link_approx: str = "probit",
@@ -247,7 +252,7 @@ class Laplace(MAP):
         return {n: v.sqrt() for n, v in self.posterior_var.items()}
 
     def _update_posterior_var(self) -> bool:
-        """v = 1 / (δ·1[prior] + h); returns whether some parameter has zero precision (kept at v = 0)."""
+        """V = 1 / (δ·1[prior] + h); returns whether some parameter has zero precision (kept at v = 0)."""
         delta = self.prior_precision
         degenerate = False
         with torch.no_grad():
@@ -289,7 +294,7 @@ class Laplace(MAP):
         ``curvature_backend="layers"`` the K columns s_k = sqrt(p_k)(e_k − p)
         (Gaussian: e_k / noise_std) of a factor of Λ_n are backpropagated
         through the batch and contracted per layer (Dangel et al. 2020,
-        BackPACK's DiagGGNExact; :mod:`bayeswrap.curvature`); with ``"vmap"``
+        BackPACK's DiagGGNExact; :mod:`bayeswrap.methods.laplace.curvature`); with ``"vmap"``
         rows of J come from ``vmap`` over per-example vector-Jacobian products.
         Evaluated in the model's current mode (:meth:`fit_curvature` uses eval mode).
 
@@ -318,7 +323,8 @@ class Laplace(MAP):
 
     def _ggn_diagonal_vmap(self, x: torch.Tensor, theta) -> dict[str, torch.Tensor]:
         """:meth:`ggn_diagonal` by vmap over examples (the reference of ``curvature_backend="vmap"``), at ``theta``
-        (detached, as :meth:`ggn_diagonal` passes it)."""
+        (detached, as :meth:`ggn_diagonal` passes it).
+        """
         categorical = self.likelihood.name == "categorical"
         total = {n: torch.zeros_like(t) for n, t in theta.items()}
 
@@ -462,7 +468,7 @@ class Laplace(MAP):
                                  "the posterior was left unchanged")
 
     def _add_squared_grads(self, acc, x, y, theta, weight: float) -> None:
-        """acc += weight · Σ_n g_n² (g_n the NLL gradient of example n at targets ``y``).
+        """Acc += weight · Σ_n g_n² (g_n the NLL gradient of example n at targets ``y``).
 
         ``y`` is a target tensor or a list of them (several sampled label sets,
         each weighted by ``weight``). ``"layers"`` backend: one forward and one
@@ -554,7 +560,7 @@ class Laplace(MAP):
         the K unit vectors e_k are backpropagated through the batch
         (max(1, ``curvature_chunk_size`` // B) per backward pass) and J_{k,i}² v_i
         is summed per layer from its input and output gradient
-        (:meth:`bayeswrap.curvature.LayerCurvature.weighted_row_norms`);
+        (:meth:`bayeswrap.methods.laplace.curvature.LayerCurvature.weighted_row_norms`);
         ``"vmap"``: per-example vector-Jacobian products in chunks of
         ``curvature_chunk_size`` Jacobian rows. Evaluated in eval mode.
 
@@ -889,8 +895,6 @@ class Laplace(MAP):
 
     def _grid_search(self, val_loader, grid: list[float], pred_type, link_approx, num_samples: int,
                      seed: int) -> float:
-        from ..predictive import evaluate, model_device  # predictive imports the methods package
-        from ..tuning import select_by_val_nll
 
         pred_type, link_approx = self._resolve(pred_type, link_approx)
         device = model_device(self)

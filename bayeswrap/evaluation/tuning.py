@@ -4,19 +4,14 @@ A Bayesian method earns its place only if it beats a *tuned* plain network,
 so ``bayeswrap compare`` gives every method, MAP included, the same treatment:
 one knob, a small grid, the same training budget per grid point, and the value
 with the lowest validation NLL of the posterior predictive wins (ties go to the
-first grid point). The knobs are those that set how much the prior or the
-posterior noise matters:
+first grid point). Each method class names its knob and grid in its ``tuning``
+attribute (e.g. ``MAP.tuning = ("prior_std", (0.1, 0.3, 1.0, 3.0))``; the live
+view over the registry is :data:`bayeswrap.methods.TUNING`): the options that
+set how much the prior or the posterior noise matters (MAP's ``prior_std``,
+Laplace's post hoc ``prior_precision``, VI's and IVON's ``kl_weight``,
+MC-dropout's ``p_drop``, SGLD's ``noise_scale``).
 
-==============  =====================  =========================================
-method          option                 why this one
-==============  =====================  =========================================
-map             ``prior_std``          the weight decay 1/(N σ²) of the plain network
-laplace         ``prior_precision``    post hoc, on the fitted curvature (no retraining;
-                                       :meth:`bayeswrap.Laplace.optimize_prior_precision`)
-vi, ivon        ``kl_weight``          the tempering of the KL term (BayesDLL's ``kld``)
-mc_dropout      ``p_drop``             the dropout rate sets the posterior spread
-sgld            ``noise_scale``        the temperature T = noise_scale² of the sampled posterior
-==============  =====================  =========================================
+This module holds the selection rule only.
 
 Reference: the tuning protocol of Ovadia et al. 2019 ("Can You Trust Your
 Model's Uncertainty?", §4: hyper-parameters chosen on in-distribution
@@ -28,22 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-__all__ = ["TUNING", "tuning_option", "select_by_val_nll", "tune"]
-
-#: method → (option, grid). Grids are log-spaced around the library defaults.
-TUNING: dict[str, tuple[str, tuple[float, ...]]] = {
-    "map": ("prior_std", (0.1, 0.3, 1.0, 3.0)),
-    "laplace": ("prior_precision", tuple(10.0 ** k for k in range(-4, 5))),
-    "vi": ("kl_weight", (0.001, 0.01, 0.1, 1.0)),
-    "ivon": ("kl_weight", (0.001, 0.01, 0.1, 1.0)),
-    "mc_dropout": ("p_drop", (0.05, 0.1, 0.2, 0.3)),
-    "sgld": ("noise_scale", (0.1, 0.3, 1.0)),
-}
-
-
-def tuning_option(method: str) -> tuple[str, tuple[float, ...]] | None:
-    """``(option, grid)`` tuned for ``method``, or None if the method has no tuned option."""
-    return TUNING.get(method)
+__all__ = ["select_by_val_nll", "tune"]
 
 
 def select_by_val_nll(grid: Sequence[float], val_nll: Sequence[float]) -> int:

@@ -39,13 +39,13 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from .checks import check_int
+from bayeswrap.core.checks import check_int
 
 __all__ = ["SampleStore", "spread_indices"]
 
 
 def _mangle(name: str) -> str:
-    # buffer names may not contain "."; "/" never occurs in module paths (as in bayeswrap.functional)
+    # buffer names may not contain "."; "/" never occurs in module paths (as in bayeswrap.core.functional)
     return name.replace(".", "/")
 
 

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .checks import check_float, check_int
+from bayeswrap.core.checks import check_float, check_int
 
 __all__ = ["MADE", "IAFStep", "IAF", "MultiplicativeFlow", "GATE_BIAS_INIT", "OUTPUT_WEIGHT_STD"]
 
@@ -321,7 +321,7 @@ class MultiplicativeFlow(nn.Module):
         return z, log_q0 - log_det
 
     def log_r(self, z: Tensor, m_mean: Tensor, m_var: Tensor) -> Tensor:
-        """log r(z | W), the auxiliary inverse model (MNF eqs. 9–10, LBBNN-FLOW form).
+        """Log r(z | W), the auxiliary inverse model (MNF eqs. 9–10, LBBNN-FLOW form).
 
         ``a_pre = cᵀM + sqrt((c²)ᵀV) ⊙ ε`` with ``ε = torch.randn(O)`` (a fresh
         local-reparameterisation sample), ``a = hardtanh(a_pre)``,

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .functional import NamedTensors, is_bias, nonfinite_names
-from .fused import gaussian_penalty
+from bayeswrap.core.functional import NamedTensors, is_bias, nonfinite_names
+from bayeswrap.core.fused import gaussian_penalty
 
 PRIOR_MEANS = ("init", "zero", "a mapping from parameter name to tensor")
 BIAS_OPTIONS = ("informative", "uninformative")
@@ -94,7 +94,7 @@ class GaussianPrior(nn.Module):
             scale: optional per-parameter factor s_i (MC-dropout's 1 − p, eq. 10);
                 1 by default.
             fused: use the multi-tensor kernel with an analytic gradient
-                (:func:`bayeswrap.fused.gaussian_penalty`); False uses the plain
+                (:func:`bayeswrap.core.fused.gaussian_penalty`); False uses the plain
                 autograd reference. Both give the same value and gradient.
 
         Returns:

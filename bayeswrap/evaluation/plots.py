@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .evaluation import calibration as cal
-from .io import atomic_write
+from bayeswrap.core.io import atomic_write
+from bayeswrap.evaluation import calibration as cal
 
 __all__ = ["reliability_diagram", "temperature_curve", "training_curves", "reliability_grid", "shift_curves",
            "risk_coverage_curves", "gamma_curves", "trace_plot", "rank_plot", "save_figure"]

@@ -1,7 +1,7 @@
 """From a run config to the objects of a run: data, backbone, Bayesian model, optimizer and schedule.
 
-Nothing here writes a file; :mod:`bayeswrap.cli` runs and records what this builds,
-and :func:`bayeswrap.runs.load_run` rebuilds a saved run's model from its
+Nothing here writes a file; :mod:`bayeswrap.app.cli` runs and records what this builds,
+and :func:`bayeswrap.app.runs.load_run` rebuilds a saved run's model from its
 ``config.yaml`` and ``data.json`` without the training data.
 """
 
@@ -14,15 +14,16 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils.data import DataLoader
 
-from . import distributed
-from .config import FIELDS, RunConfig
-from .data import DataSplits, build_transforms, load_data
-from .evaluation.shift import hold_out_classes
-from .functional import select_parameters
-from .methods import method_options, wrap
-from .methods.sgld import BURN_IN_FRACTION
-from .models import create_model, data_config, head_parameter_names
-from . import optim as bw_optim
+from bayeswrap import optim as bw_optim
+from bayeswrap.app.backbones import create_model, data_config, head_parameter_names
+from bayeswrap.app.config import RunConfig
+from bayeswrap.app.options import option_specs
+from bayeswrap.core import distributed
+from bayeswrap.core.functional import select_parameters
+from bayeswrap.data.datasets import DataSplits, build_transforms, load_data
+from bayeswrap.data.shift import hold_out_classes
+from bayeswrap.methods import wrap
+from bayeswrap.methods.sgld import BURN_IN_FRACTION
 
 log = logging.getLogger("bayeswrap")
 
@@ -218,20 +219,22 @@ def build_model(cfg: RunConfig, info: DataInfo, *, for_evaluation: bool = False)
     else:
         prior_mean = cfg.prior_mean
     num_data = max(1, round(info.num_train * cfg.num_data_inflate))
-    options = {k: getattr(cfg, k) for k in method_options(cfg.method) if k in FIELDS}
+    specs = option_specs(cfg.method)
+    options = {specs[k].argument: v for k, v in cfg.method_options.items() if specs[k].target == "init"}
     if cfg.method == "laplace":
-        # the reports score every method by the same S-sample protocol, so the GLM predictive is sampled too
-        options["link_approx"] = "mc"
-    if cfg.method == "sgld":
-        options["cycles"] = cfg.cycles or None
+        # the run's protocol, not a default: the reports score every method by the same S-sample
+        # predictive, so the GLM predictive is sampled too unless the run sets link_approx
+        options.setdefault("link_approx", "mc")
+    if cfg.method == "sgld" and "burn_in" not in options:
+        options["cycles"] = cfg.option("cycles") or None
         options["burn_in"] = "auto"
-        if not cfg.cycles:
+        if not options["cycles"]:
             steps = info.steps_per_epoch
             epochs = cfg.epochs * BURN_IN_FRACTION if cfg.burn_in() is None else cfg.burn_in()
             options["burn_in"] = round(epochs * steps)
             # keep samples even in short runs: burn-in at most half of training, and one thinning interval
             # before the end
-            longest = max(0, min(cfg.epochs * steps // 2, cfg.epochs * steps - cfg.thinning))
+            longest = max(0, min(cfg.epochs * steps // 2, cfg.epochs * steps - cfg.option("thinning")))
             if options["burn_in"] > longest:
                 options["burn_in"] = longest
                 log.warning("sgld: burn_in_epochs=%s leaves too few samples in %d epochs; burn-in shortened to %d "
@@ -312,9 +315,9 @@ def make_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, start_epoch
     """
     if cfg.scheduler == "constant" and cfg.warmup_epochs == 0:
         return None
-    if cfg.method == "sgld" and cfg.cycles:
+    if cfg.method == "sgld" and cfg.option("cycles"):
         raise ValueError(f"scheduler={cfg.scheduler!r}, warmup_epochs={cfg.warmup_epochs}: cyclical SGLD "
-                         f"(cycles={cfg.cycles}) sets its own step size; accepted: scheduler=constant, "
+                         f"(cycles={cfg.option('cycles')}) sets its own step size; accepted: scheduler=constant, "
                          f"warmup_epochs=0")
     for group in optimizer.param_groups:
         group.setdefault("initial_lr", group["lr"])

@@ -8,9 +8,8 @@ posterior mean, a batch of samples under ``vmap``) can be plugged in.
 
 from __future__ import annotations
 
-import weakref
-
 import fnmatch
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Union
 
