@@ -1,6 +1,6 @@
 """``bw.calibration``: the calibration metrics and their figures under one name.
 
-An alias kept for existing code and for the README's examples. The metrics live
+An alias kept for existing code and for short examples. The metrics live
 in :mod:`bayeswrap.evaluation.calibration`; the figures
 (:func:`reliability_diagram`, :func:`temperature_curve`) in :mod:`bayeswrap.evaluation.plots`,
 which imports the metrics (never the reverse).

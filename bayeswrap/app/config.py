@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import yaml
 
-from bayeswrap.app.options import coerce_option, option_specs, option_users
+from bayeswrap.app.options import coerce_option, option_specs, option_users, parse_bool
 from bayeswrap.core.checks import SCALE_RANGE
 from bayeswrap.data.datasets import DATASETS
 from bayeswrap.methods import METHODS, wrap
@@ -372,14 +372,7 @@ def coerce(name: str, value: Any) -> Any:
                 coerce(k, opts[k])
         return value
     if kind is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name}={value!r} is not a boolean; accepted: true, false")
+        return parse_bool(name, value)
     if kind is str and isinstance(value, (list, tuple)):  # YAML lists for the list-valued options
         return ",".join(str(v) for v in value)
     if kind is str and not isinstance(value, (str, int, float)) or isinstance(value, bool) and kind is not str:

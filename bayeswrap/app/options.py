@@ -27,7 +27,8 @@ import yaml
 
 from bayeswrap.methods import METHODS, BayesianModel, method_options
 
-__all__ = ["OptionSpec", "option_specs", "all_option_specs", "coerce_option", "option_users", "SAMPLER_RENAMES"]
+__all__ = ["OptionSpec", "option_specs", "all_option_specs", "coerce_option", "option_users", "parse_bool",
+           "SAMPLER_RENAMES"]
 
 #: ``run_chains`` argument -> run option name (``num_samples`` is the predictive's S on the command line)
 SAMPLER_RENAMES = {"num_samples": "chain_samples"}
@@ -149,6 +150,22 @@ def _kind(name: str) -> type | None:
     return kinds.pop() if len(kinds) == 1 else None
 
 
+def parse_bool(name: str, value: Any) -> bool:
+    """A boolean option: True/False, or true/yes/on/1 and false/no/off/0 (any case).
+
+    Raises:
+        ValueError: naming the option and the value, for anything else.
+    """
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean; accepted: true, false")
+
+
 def _parse_scalar(text: str) -> Any:
     """A command-line string as a number where it spells one (``1e-3`` too, which YAML 1.1 reads as text), else
     as a YAML value (``true``, ``[250, 250]``), else the text itself.
@@ -188,14 +205,7 @@ def coerce_option(name: str, value: Any) -> Any:
     if isinstance(value, str) and kind is not str:
         value = _parse_scalar(value)
     if kind is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name}={value!r} is not a boolean; accepted: true, false")
+        return parse_bool(name, value)
     if kind is int or kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name}={value!r} is not {'an integer' if kind is int else 'a number'}")

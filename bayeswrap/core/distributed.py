@@ -4,7 +4,7 @@
 than one process; every helper is a no-op (or returns the one-process answer)
 otherwise, so the same code runs with and without ``torchrun``.
 
-The semantics (see also the README's "Data-parallel training"):
+The semantics:
 
 * **Global batch.** Each rank computes the loss of its own shard of the global
   batch, ``nll_mean_rank + kl_weight · KL / num_data``. After ``backward()`` the
