@@ -174,7 +174,7 @@ def _parse_scalar(text: str) -> Any:
         try:
             return kind(text)
         except ValueError:
-            pass
+            continue
     try:
         parsed = yaml.safe_load(text)
     except yaml.YAMLError:
