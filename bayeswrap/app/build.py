@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader
 from bayeswrap import optim as bw_optim
 from bayeswrap.app.backbones import create_model, data_config, head_parameter_names
 from bayeswrap.app.config import RunConfig
-from bayeswrap.app.options import option_specs
 from bayeswrap.core import distributed
 from bayeswrap.core.functional import select_parameters
 from bayeswrap.data.datasets import DataSplits, build_transforms, load_data
@@ -219,16 +218,14 @@ def build_model(cfg: RunConfig, info: DataInfo, *, for_evaluation: bool = False)
     else:
         prior_mean = cfg.prior_mean
     num_data = max(1, round(info.num_train * cfg.num_data_inflate))
-    specs = option_specs(cfg.method)
-    options = {specs[k].argument: v for k, v in cfg.method_options.items() if specs[k].target == "init"}
+    options = cfg.method_arguments("init")
     if cfg.method == "laplace":
         # the run's protocol, not a default: the reports score every method by the same S-sample
         # predictive, so the GLM predictive is sampled too unless the run sets link_approx
         options.setdefault("link_approx", "mc")
     if cfg.method == "sgld" and "burn_in" not in options:
-        options["cycles"] = cfg.option("cycles") or None
         options["burn_in"] = "auto"
-        if not options["cycles"]:
+        if not options.get("cycles"):
             steps = info.steps_per_epoch
             epochs = cfg.epochs * BURN_IN_FRACTION if cfg.burn_in() is None else cfg.burn_in()
             options["burn_in"] = round(epochs * steps)

@@ -367,9 +367,7 @@ def _sample_and_report(cfg, run_dir, splits, ood_test, bnn, device, sample_count
     x = torch.cat([b[0] for b in loader])
     y = torch.cat([b[1] for b in loader])
     log.info("config: %s", cfg.to_dict())
-    specs = option_specs(cfg.method)
-    run_options = {specs[k].argument: v for k, v in cfg.method_options.items() if specs[k].target == "run"}
-    stats = bnn.run_chains(x, y, **run_options,
+    stats = bnn.run_chains(x, y, **cfg.method_arguments("run"),
                            generator=torch.Generator(device=device).manual_seed(cfg.seed))
     save_checkpoint(run_dir / "best.pt", bnn.state_dict())
     diagnostics = bnn.diagnostics()
@@ -543,8 +541,6 @@ def compare_methods() -> tuple[str, ...]:
     """The methods ``bayeswrap compare`` runs by default: those whose class sets ``in_default_comparison``."""
     return tuple(m for m, cls in METHODS.items() if cls.in_default_comparison)
 
-
-COMPARE_METHODS = compare_methods()  # at import; the parser reads compare_methods() live
 COMPARE_COLUMNS = ("method", "num_samples", "error", "ece", "nll", "ece_Topt", "nll_Topt", "temperature",
                    "shift_error", "shift_ece", "shift_nll", "shift_ece_Topt", "shift_nll_Topt",
                    "ood_auroc_entropy", "ood_auroc_mi")

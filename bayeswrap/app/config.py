@@ -190,11 +190,19 @@ class RunConfig:
                 raise ValueError(f"{name} is not an option of method {self.method!r}" + (
                     f" (it is an option of {', '.join(users)})" if users else "") +
                     f"; accepted: {', '.join(specs) or 'none'}")
-        init = {specs[k].argument: v for k, v in self.method_options.items() if specs[k].target == "init"}
-        if self.method == "sgld" and init.get("cycles") == 0:
-            init["cycles"] = None
         wrap(torch.nn.Linear(2, 2), self.method, num_data=10, prior_std=self.prior_std, bias=self.bias,
-             kl_weight=self.kl_weight, **init)
+             kl_weight=self.kl_weight, **self.method_arguments("init"))
+
+    def method_arguments(self, target: str) -> dict[str, Any]:
+        """The given method options as arguments of the constructor (``"init"``) or of ``run_chains`` (``"run"``).
+
+        ``cycles=0`` (the command line's "no cycles") is SGLD's ``cycles=None``.
+        """
+        specs = option_specs(self.method)
+        out = {specs[k].argument: v for k, v in self.method_options.items() if specs[k].target == target}
+        if self.method == "sgld" and out.get("cycles") == 0:
+            out["cycles"] = None
+        return out
 
     def burn_in(self) -> float | None:
         """SGLD burn-in in epochs (a finite number >= 0), or None for ``auto``."""

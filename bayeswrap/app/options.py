@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from bayeswrap.methods import METHODS, BayesianModel, method_options
+from bayeswrap.methods import METHODS, method_option_defaults
 
 __all__ = ["OptionSpec", "option_specs", "all_option_specs", "coerce_option", "option_users", "parse_bool",
            "SAMPLER_RENAMES"]
@@ -103,14 +103,8 @@ def option_specs(method: str) -> dict[str, OptionSpec]:
 
 @cache
 def _class_specs(cls: type, method: str) -> dict[str, OptionSpec]:
-    defaults: dict[str, Any] = {}
-    for klass in reversed(cls.__mro__):
-        if klass is BayesianModel or "__init__" not in vars(klass):
-            continue
-        for p in inspect.signature(klass.__init__).parameters.values():
-            if p.kind is p.KEYWORD_ONLY:
-                defaults[p.name] = p.default
-    specs = {name: OptionSpec(name, defaults[name], _help(cls, name), "init", name) for name in method_options(method)}
+    specs = {name: OptionSpec(name, default, _help(cls, name), "init", name)
+             for name, default in method_option_defaults(method).items()}
     run = getattr(cls, "run_chains", None)
     if run is not None:
         for p in inspect.signature(run).parameters.values():

@@ -50,17 +50,25 @@ def tuning_option(method: str) -> tuple[str, tuple[float, ...]] | None:
     return METHODS[method].tuning
 
 
-def method_options(method: str) -> tuple[str, ...]:
-    """The method-specific keyword options of a registered method (e.g. ``init_std`` for ``"vi"``)."""
-    cls = METHODS[method]
-    names = []
-    for klass in cls.__mro__:
+def method_option_defaults(method: str) -> dict:
+    """``{option: library default}`` of a registered method's own keyword options (its constructors' along the MRO).
+
+    Raises:
+        KeyError: for an unregistered method.
+    """
+    defaults: dict = {}
+    for klass in METHODS[method].__mro__:
         if klass is BayesianModel or "__init__" not in vars(klass):
             continue
         for p in inspect.signature(klass.__init__).parameters.values():
-            if p.kind is p.KEYWORD_ONLY and p.name not in _COMMON and p.name not in names:
-                names.append(p.name)
-    return tuple(names)
+            if p.kind is p.KEYWORD_ONLY and p.name not in _COMMON and p.name not in defaults:
+                defaults[p.name] = p.default
+    return defaults
+
+
+def method_options(method: str) -> tuple[str, ...]:
+    """The method-specific keyword options of a registered method (e.g. ``init_std`` for ``"vi"``)."""
+    return tuple(method_option_defaults(method))
 
 
 def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, prior_mean="init",
@@ -123,5 +131,5 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
 
 
 __all__ = ["METHODS", "BayesianModel", "LossOutput", "NotFittedError", "register_method", "wrap", "method_options",
-           "TUNING", "tuning_option",
+           "method_option_defaults", "TUNING", "tuning_option",
            *(cls.__name__ for cls in dict.fromkeys(METHODS.values()))]
