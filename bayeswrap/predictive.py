@@ -66,7 +66,7 @@ def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generato
             p = bnn.predict(x, num_samples=num_samples, generator=generator)
         else:
             check_inputs_finite(x)
-            p = bnn._predictive(bnn.forward_with(bnn._point_estimate(), x).unsqueeze(0))
+            p = bnn._point_predictive(x)
         preds.append(tuple(t.cpu() for t in p) if isinstance(p, tuple) else p.cpu())
         targets.append(y.cpu())
     if not preds:
@@ -90,11 +90,12 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
     Args:
         bnn: a Bayesian model with a categorical likelihood (its train/eval mode is used as it is).
         loader: iterable of ``(inputs, targets)`` batches.
-        num_samples: S ≥ 0; ``0`` evaluates the posterior mean once.
+        num_samples: S ≥ 0; ``0`` evaluates the posterior mean once (an ensemble: each member's mean).
         generator: optional ``torch.Generator`` for reproducible samples.
 
     Returns:
-        ``(sample_probs, targets)``: ``sample_probs`` of shape (max(S, 1), N, K),
+        ``(sample_probs, targets)``: ``sample_probs`` of shape (max(S, 1), N, K) (S = 0 for an
+        ensemble of M members: (M, N, K)),
         float32 (float64 for a float64 model), each row summing to 1; ``targets``
         (N,) int64. Both on the CPU.
 
@@ -116,7 +117,7 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
         if num_samples == 0:
             bnn._check_ready()
             check_inputs_finite(x)
-            outs = bnn.forward_with(bnn.posterior_mean(), x).unsqueeze(0)
+            outs = bnn._mean_outputs(x)
         else:
             outs = bnn.sample_logits(x, num_samples, generator=generator)
         bnn.likelihood.check_outputs(outs[0])

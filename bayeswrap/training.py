@@ -172,7 +172,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         distributed.sync_random_state_(device, [getattr(optimizer, "generator", None)])  # identical draws
     if scaler is None and autocast_dtype == torch.float16:
         scaler = torch.amp.GradScaler(device.type)
-    bnn.before_fit(num_steps, optimizer)
+    bnn.before_fit(num_steps, optimizer, steps_per_epoch=None if num_steps is None else len(train_loader))
     classification = bnn.likelihood.name == "categorical"
     if autocast_dtype is None:  # no autocast context per step at all (its enter/exit costs ~10 µs)
         autocast = contextlib.nullcontext

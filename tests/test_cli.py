@@ -9,9 +9,11 @@ import torch
 import bayeswrap.app.cli as cli
 from bayeswrap.app.backbones import create_model
 from bayeswrap.core.io import load_checkpoint
-from bayeswrap.methods import TUNING
+from bayeswrap.methods import METHODS, TUNING, Ensemble
 
 FAST = ["--progress", "false", "--batch-size", "64"]
+#: what `compare` runs without --methods, in registration order
+DEFAULT_COMPARISON = tuple(m for m, cls in METHODS.items() if cls.in_default_comparison)
 
 
 def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
@@ -21,13 +23,13 @@ def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
     base = out / "compare-digits-mlp"
     rows = list(csv.DictReader(open(base / "comparison.csv")))
     assert [(r["method"], r["num_samples"]) for r in rows] == [
-        (m, s) for m in ("map", "vi", "ivon", "mc_dropout", "sgld", "laplace") for s in ("0", "3")]
+        (m, s) for m in DEFAULT_COMPARISON for s in ("0", "3")]
     assert (base / "comparison.md").read_text().startswith(
-        "| method | num_samples | error | ece | nll | ece_Topt | nll_Topt | temperature | shift_error | shift_ece | "
+        "| method | tuned | num_samples | error | ece | nll | ece_Topt | nll_Topt | temperature | shift_error | shift_ece | "
         "shift_nll | shift_ece_Topt | shift_nll_Topt | ood_auroc_entropy | ood_auroc_mi |")
     for name in ("reliability.png", "shift.png", "risk_coverage.png", "gamma.png"):
         assert (base / name).stat().st_size > 10_000, name
-    for method in ("map", "vi", "ivon", "mc_dropout", "sgld", "laplace"):
+    for method in DEFAULT_COMPARISON:
         run = base / method
         for name in ("config.yaml", "metrics.json", "best.pt", "last.pt", "train.log", "reliability_T1.png",
                      "reliability_Topt.png", "temperature_curve.png", "training_curves.png", "shift.png",
@@ -35,6 +37,7 @@ def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
             assert (run / name).is_file(), (method, name)
         metrics = json.loads((run / "metrics.json").read_text())
         assert "tuning" not in metrics  # --no-tune
+        assert all(r["tuned"] == "" for r in rows if r["method"] == method)
         assert [h["epoch"] for h in metrics["history"]] == [1, 2]
         assert {"train_nll", "val_nll", "test_nll", "train_error", "val_error", "test_error"} <= set(
             metrics["history"][0])
@@ -56,7 +59,8 @@ def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
             # digits hold out classes 8 and 9: an 8-class model, OOD scored on the 108 test 8s and 9s
             assert saved["n_classes"] == 8 and saved["ood"]["classes"] == [8, 9]
             assert saved["ood"]["n_out"] == 106 and saved["ood"]["n_in"] == saved["n_examples"]
-            if s == 0 or method == "map":  # a point estimate has no epistemic spread to score by
+            ensemble = issubclass(METHODS[method], Ensemble)  # its S = 0 predictive: one mean per member
+            if (s == 0 or method == "map") and not ensemble:  # a point estimate has no epistemic spread
                 assert saved["ood"]["mutual_information"] is None
             summary = saved["shift"]["summary"]
             nonzero = [v for kind in ("rotation", "noise") for v, i in
@@ -70,27 +74,85 @@ def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
             metrics["final"]["3"]["ood"]["entropy"]["auroc"], rel=1e-9)
 
 
-def test_compare_tunes_each_method_by_validation_nll(tmp_path):
-    """Default compare: every method's key option is chosen as the grid point with the lowest validation NLL."""
+def _check_stage(stage: dict) -> None:
+    """A bracketed stage: sorted grid, its argmin chosen, interior unless a bound is recorded."""
+    grid, nll = stage["grid"], stage["val_nll"]
+    assert grid == sorted(grid) and len(nll) == len(grid)
+    best = min(range(len(grid)), key=lambda i: nll[i])
+    assert stage["chosen"] == grid[best] == grid[stage["chosen_index"]]
+    assert set(stage["extensions"]) <= set(grid)
+    if stage["bound_hit"] is None:
+        assert 0 < best < len(grid) - 1, stage
+    else:
+        assert stage["bound_hit"]["reason"] in ("value_bound", "max_extensions", "non_finite"), stage
+
+
+def test_compare_tunes_each_method_by_validation_nll(tmp_path, capsys):
+    """Default compare: MAP's prior std, then each method's knob at MAP's σ and its own σ, by validation NLL."""
     out = tmp_path / "runs"
-    assert cli.main(["compare", "--methods", "map,vi,laplace", "--epochs", "2", "--out-dir", str(out),
+    assert cli.main(["compare", "--methods", "vi,map,laplace", "--epochs", "2", "--out-dir", str(out),
                      "--num-samples", "3", "--shift-rotations", "0", "--shift-noise", "0", *FAST]) == 0
+    printed = capsys.readouterr().out
     base = out / "compare-digits-mlp"
-    for method, option in (("map", "prior_std"), ("vi", "kl_weight"), ("laplace", "prior_precision")):
-        run = base / method
-        tuning = json.loads((run / "metrics.json").read_text())["tuning"]
-        assert tuning["option"] == option and tuning["grid"] == list(TUNING[method][1])
-        assert len(tuning["val_nll"]) == len(tuning["grid"])
-        best = min(range(len(tuning["grid"])), key=lambda i: tuning["val_nll"][i])
-        assert tuning["chosen"] == tuning["grid"][best]
-        if option == "prior_precision":  # set post hoc on the fitted Laplace, saved in the checkpoint
-            bnn = cli.build(cli.RunConfig(**cli.load_yaml(run / "config.yaml")).validate(), for_evaluation=True)[2]
-            bnn.load_state_dict(load_checkpoint(run / "best.pt"))
-            assert bnn.prior_precision == pytest.approx(tuning["chosen"])
-        else:  # the final run used the chosen value, and retraining it reproduces its validation NLL
-            cfg = cli.RunConfig(**cli.load_yaml(run / "config.yaml")).validate()
-            assert getattr(cfg, option) == tuning["chosen"]
-            assert cli.tuning_score(cfg, 3) == pytest.approx(tuning["val_nll"][best], rel=1e-6)
+    records = {m: json.loads((base / m / "metrics.json").read_text())["tuning"] for m in ("map", "vi", "laplace")}
+    sigma = records["map"]["options"]["prior_std"]
+    assert [s["stage"] for s in records["map"]["stages"]] == ["knob"]
+    assert set(TUNING["map"][1]) <= set(records["map"]["stages"][0]["grid"])
+    assert [r["method"] for r in csv.DictReader(open(base / "comparison.csv"))] == ["vi", "map", "laplace"]
+    assert [s["stage"] for s in records["vi"]["stages"]] == ["knob", "prior_std"]
+    assert [s["stage"] for s in records["laplace"]["stages"]] == ["prior_std", "post_hoc"]
+    for method, tuning in records.items():
+        for stage in tuning["stages"]:
+            _check_stage(stage)
+        assert tuning["prior_std_from"] == ("config" if method == "map" else "map")
+        if method != "map":  # stage 1 starts from MAP's σ; the prior std stage scores σ/3, σ and 3σ
+            first = tuning["stages"][0]
+            assert first["fixed"].get("prior_std", sigma) == sigma
+            prior = next(s for s in tuning["stages"] if s["stage"] == "prior_std")
+            assert {sigma, sigma * 3} <= set(prior["grid"]) or sigma * 3 > 1e3
+            assert tuning["choice"] == ("inherit" if prior["chosen"] == sigma else "joint")
+        row = next(r for r in csv.DictReader(open(base / "comparison.csv")) if r["method"] == method)
+        assert row["tuned"] == ", ".join(f"{k}={v:g}" for k, v in tuning["options"].items()) != ""
+        assert f"| {method} | {row['tuned']} |" in printed
+    assert list(records["vi"]["options"]) == ["prior_std", "kl_weight"]
+    assert list(records["laplace"]["options"]) == ["prior_std", "prior_precision"]
+    # the final runs used the chosen values; retraining VI at them reproduces its validation NLL
+    cfg = cli.RunConfig(**cli.load_yaml(base / "vi" / "config.yaml")).validate()
+    assert cfg.prior_std == records["vi"]["options"]["prior_std"]
+    assert cfg.kl_weight == records["vi"]["options"]["kl_weight"]
+    assert cli.tuning_score(cfg, 3) == pytest.approx(records["vi"]["val_nll"], rel=1e-6)
+    run = base / "laplace"  # set post hoc on the fitted Laplace, saved in the checkpoint
+    cfg = cli.RunConfig(**cli.load_yaml(run / "config.yaml")).validate()
+    assert cfg.prior_std == records["laplace"]["options"]["prior_std"]
+    bnn = cli.build(cfg, for_evaluation=True)[2]
+    bnn.load_state_dict(load_checkpoint(run / "best.pt"))
+    assert bnn.prior_precision == pytest.approx(records["laplace"]["options"]["prior_precision"])
+
+
+def test_resumed_compare_applies_only_tuned_options_from_a_tuning_file(tmp_path, capsys):
+    """A tuning_<method>.json may set the method's prior std and knob, nothing else (not e.g. out_dir)."""
+    args = ["compare", "--methods", "map", "--epochs", "1", "--num-samples", "0", "--shift-rotations", "0",
+            "--shift-noise", "0", "--out-dir", str(tmp_path), *FAST]
+    assert cli.main(args) == 0
+    base = tmp_path / "compare-digits-mlp"
+    path = base / "tuning_map.json"
+    assert json.loads(path.read_text())["options"] == json.loads(
+        (base / "map" / "metrics.json").read_text())["tuning"]["options"]
+    (base / "map" / "metrics.json").unlink()  # as if interrupted before the final run finished
+    capsys.readouterr()
+    for options, message in (({"prior_std": 0.5, "out_dir": "/tmp/elsewhere"},
+                               "out_dir is not a tuned option of method 'map'; accepted: prior_std"),
+                              ({"kl_weight": 0.5}, "kl_weight is not a tuned option"),
+                              ({"prior_std": "0.5"}, r"prior_std='0.5' is not a finite number")):
+        path.write_text(json.dumps({"options": options}))
+        assert cli.main(["compare", "--resume", str(base)]) == 2
+        assert f"{path}: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "elsewhere").exists() and not (base / "map" / "metrics.json").exists()
+    path.write_text(json.dumps({"options": {"prior_std": 0.5}, "stages": []}))
+    assert cli.main(["compare", "--resume", str(base)]) == 0
+    assert cli.RunConfig(**cli.load_yaml(base / "map" / "config.yaml")).prior_std == 0.5
+    assert json.loads((base / "map" / "metrics.json").read_text())["tuning"]["options"] == {"prior_std": 0.5}
+    assert "prior_std=0.5" in (base / "comparison.md").read_text()
 
 
 @pytest.mark.parametrize("dataset, fixture", [("pets", "fake_pets_root"), ("flowers102", "fake_flowers_root"),
@@ -158,7 +220,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypat
 @pytest.mark.parametrize("args, message", [
     (["--model", "resnet_nope"], "resnet_nope"),
     (["--dataset", "mnist"], "dataset"),
-    (["--method", "nuts"], "method='nuts' is not known; accepted: map, vi, ivon, mc_dropout, sgld, laplace"),
+    (["--method", "nuts"], "method='nuts' is not known; accepted: map, vi, ivon, mc_dropout, sgld, swag, laplace"),
     (["--dataset", "pets", "--data-root", "/nonexistent/pets"], "--download"),
     (["--init-checkpoint", "/nonexistent/w.pt"], "/nonexistent/w.pt"),
     (["--lr", "abc"], "lr='abc' is not a number; accepted: a finite number > 0"),

@@ -26,7 +26,10 @@ def test_fast_mode_writes_table_json_and_figure(fast_run):
     assert (fast_run / "posterior_quality.png").stat().st_size > 10_000
     data = json.loads((fast_run / "posterior_quality.json").read_text())
     table = data["datasets"]["digits"]["table"]
-    assert set(table) == {"map", "vi", "ivon", "mc_dropout", "sgld", "laplace", "map+ts"}
+    assert set(table) == {"map", "vi", "ivon", "mc_dropout", "sgld", "laplace", "swag", "ensemble", "multiswag",
+                          "map+ts"}
+    assert table["map"]["cost"][0] == pytest.approx(1.0)
+    assert table["ensemble"]["cost"][0] > 1.0  # five networks, trained at once
     for method, row in table.items():
         for key in ("error", "nll", "ece", "rotation_nll", "noise_nll"):
             mean, std = row[key]
@@ -37,10 +40,18 @@ def test_fast_mode_writes_table_json_and_figure(fast_run):
     assert table["map+ts"]["error"][0] == pytest.approx(table["map"]["error"][0])
     assert table["map+ts"]["nll"][0] == pytest.approx(per_seed["map"]["nll_Topt"])
     assert table["map+ts"]["rotation_nll"][0] == pytest.approx(per_seed["map"]["rotation_nll_Topt"])
-    # every tuned method records the option it chose
-    assert {m: t[0]["option"] for m, t in data["datasets"]["digits"]["tuned"].items()} == {
-        "map": "prior_std", "vi": "kl_weight", "ivon": "kl_weight", "mc_dropout": "p_drop", "sgld": "noise_scale",
-        "laplace": "prior_precision"}
+    # every tuned method records the options it chose: its prior std and its knob, both in the table
+    tuned = data["datasets"]["digits"]["tuned"]
+    assert {m: list(t[0]) for m, t in tuned.items()} == {
+        "map": ["prior_std"], "vi": ["prior_std", "kl_weight"], "ivon": ["prior_std", "kl_weight"],
+        "mc_dropout": ["prior_std", "p_drop"], "sgld": ["prior_std", "noise_scale"],
+        "laplace": ["prior_std", "prior_precision"], "swag": ["prior_std"],
+        "ensemble": ["prior_std"], "multiswag": ["prior_std"]}
+    # ensembles take their member method's tuned options (MAP's for the deep ensemble, SWAG's for MultiSWAG)
+    assert tuned["ensemble"][0] == tuned["map"][0] and tuned["multiswag"][0] == tuned["swag"][0]
+    vi_row = next(line for line in md.splitlines() if line.startswith("| vi |"))
+    assert vi_row.endswith(f"| prior_std={tuned['vi'][0]['prior_std']:g}, kl_weight={tuned['vi'][0]['kl_weight']:g} |")
     sweep = data["datasets"]["digits"]["laplace_sweep"]
     assert set(sweep["error"]) == {"probit", "mc"} and len(sweep["error"]["probit"]) == 9
-    assert sum(line.startswith("- met") or line.startswith("- NOT met") for line in md.splitlines()) == 10
+    # digits: two peer columns, the single-model method against MAP + TS, the Laplace sweep's two links
+    assert sum(line.startswith("- met") or line.startswith("- NOT met") for line in md.splitlines()) == 5

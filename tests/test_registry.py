@@ -126,8 +126,11 @@ def test_a_registered_method_appears_in_wrap_the_cli_and_compare(toy, tmp_path, 
                      "--shift-rotations", "0", "--shift-noise", "0", "--progress", "false", "--batch-size",
                      "128"]) == 0
     tuning = json.loads((out / "compare-digits-mlp" / "toy" / "metrics.json").read_text())["tuning"]
-    assert tuning["option"] == "toy_scale" and tuning["grid"] == [0.5, 2.0]
-    assert tuning["chosen"] == tuning["grid"][min(range(2), key=lambda i: tuning["val_nll"][i])]
-    saved = resolve(None, {"method": "toy", **cli.load_run_config(
-        out / "compare-digits-mlp" / "toy" / "config.yaml").method_options})
-    assert saved.option("toy_scale") == tuning["chosen"]
+    knob, prior = tuning["stages"]  # its knob at the configured prior std (no MAP compared), then the prior std
+    assert knob["option"] == "toy_scale" and {0.5, 2.0} <= set(knob["grid"]) and prior["option"] == "prior_std"
+    for stage in (knob, prior):
+        assert stage["chosen"] == stage["grid"][min(range(len(stage["grid"])), key=lambda i: stage["val_nll"][i])]
+    assert tuning["options"] == {"prior_std": prior["chosen"], "toy_scale": knob["chosen"]}
+    saved = cli.load_run_config(out / "compare-digits-mlp" / "toy" / "config.yaml")
+    assert resolve(None, {"method": "toy", **saved.method_options}).option("toy_scale") == knob["chosen"]
+    assert saved.prior_std == prior["chosen"]

@@ -21,7 +21,8 @@ from bayeswrap.core import distributed
 from bayeswrap.core.functional import select_parameters
 from bayeswrap.data.datasets import DataSplits, build_transforms, load_data
 from bayeswrap.data.shift import hold_out_classes
-from bayeswrap.methods import wrap
+from bayeswrap.methods import METHODS, wrap
+from bayeswrap.methods.ensemble import Ensemble
 from bayeswrap.methods.sgld import BURN_IN_FRACTION
 
 log = logging.getLogger("bayeswrap")
@@ -236,6 +237,9 @@ def build_model(cfg: RunConfig, info: DataInfo, *, for_evaluation: bool = False)
                 options["burn_in"] = longest
                 log.warning("sgld: burn_in_epochs=%s leaves too few samples in %d epochs; burn-in shortened to %d "
                             "steps", cfg.burn_in_epochs, cfg.epochs, options["burn_in"])
+    if issubclass(METHODS[cfg.method], Ensemble) and pretrained and "reinit" not in options:
+        # fine-tuned ensembles: the pretrained body in every member, a freshly initialised head per member
+        options["reinit"] = sorted({n.rsplit(".", 1)[0] for n in head})
     bnn = wrap(model, cfg.method, num_data=num_data, prior_std=cfg.prior_std, prior_mean=prior_mean,
                bias=cfg.bias, params=patterns, kl_weight=cfg.kl_weight, **options)
     device = device_of(cfg.device)

@@ -60,15 +60,20 @@ from bayeswrap.data.datasets import DataError
 from bayeswrap.data.inputs import load_inputs
 from bayeswrap.data.shift import shifted_dataset
 from bayeswrap.evaluation import calibration, plots, protocol
-from bayeswrap.evaluation.tuning import tune
+from bayeswrap.evaluation.tuning import tune, tune_with_prior
 from bayeswrap.evaluation.uncertainty import expected_entropy, mutual_information, predictive_entropy
-from bayeswrap.methods import METHODS, tuning_option
+from bayeswrap.methods import METHODS, Ensemble, tuning_bounds, tuning_option
 from bayeswrap.predictive import evaluate as evaluate_loader
 from bayeswrap.predictive import sample_probs_loader
 from bayeswrap.training import fit
 
 log = logging.getLogger("bayeswrap")
 
+
+#: the method whose tuned prior std every other compared method starts from (stage 1 of ``tune_with_prior``)
+PRIOR_SOURCE = "map"
+#: a knob set post hoc on the fitted posterior, without retraining (Laplace's ``optimize_prior_precision``)
+POST_HOC = "prior_precision"
 
 #: kept for scripts and tests that reach these through the command-line module
 _eval_loader = eval_loader
@@ -225,10 +230,10 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
     Args:
         cfg: a validated config.
         sample_counts: the S values of the final reports (default ``[cfg.num_samples]``).
-        tuning: the tuning record to store in ``metrics.json`` (``compare``). A
-            record for ``"prior_precision"`` (Laplace) is carried out here, after
-            the curvature is fitted: its ``grid`` is scored on validation and the
-            best value set.
+        tuning: the tuning record to store in ``metrics.json`` (``compare``). For a
+            method whose knob is set post hoc (Laplace's ``prior_precision``) that
+            knob is tuned here, after the curvature is fitted (bracketed grid,
+            scored on validation, best value set), and added to the record.
         resume: continue ``out_dir/run_name`` from its ``last.pt``; a folder
             without one restarts from scratch.
         changes: the options a resume changed (``{option: [old, new]}``), recorded
@@ -329,8 +334,10 @@ def tuning_score(cfg: RunConfig, num_samples: int) -> float:
     The model is trained for ``cfg.epochs`` epochs, the best-validation epoch is
     kept (as ``best.pt`` is in a run), the method is finalised (Laplace fits its
     curvature) and the posterior predictive with ``num_samples`` samples is
-    scored on the validation set. A run whose loss diverges, or that ends
-    without a posterior (SGLD keeping no sample), scores ``inf``.
+    scored on the validation set. A method whose knob is set post hoc
+    (Laplace's prior precision) scores its best value of that knob
+    (:func:`_post_hoc_tune`). A run whose loss diverges, or that ends without a
+    posterior (SGLD keeping no sample), scores ``inf``.
     """
     splits, _, bnn, head, device = build(cfg)
     if not len(splits.val):
@@ -347,18 +354,46 @@ def tuning_score(cfg: RunConfig, num_samples: int) -> float:
     bnn.after_fit(_eval_loader(splits.train, cfg))
     if not bnn.is_ready():  # e.g. SGLD kept no sample: the candidate has no posterior and cannot win
         return float("inf")
+    if _knob(cfg.method) == POST_HOC:
+        record = _post_hoc_tune(bnn, val_loader, cfg, num_samples)
+        return record["val_nll"][record["chosen_index"]]
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     return evaluate_loader(bnn, val_loader, num_samples, generator=gen)["nll"]
 
 
+def _knob(method: str) -> str | None:
+    """The option ``compare`` tunes for ``method`` besides its prior std (its class's ``tuning``), or None."""
+    knob = tuning_option(method)
+    return None if knob is None else knob[0]
+
+
+def _post_hoc_tune(bnn, val_loader, cfg: RunConfig, num_samples: int) -> dict:
+    """Laplace's post hoc prior precision on the fitted curvature: bracketed grid, best value set on ``bnn``.
+
+    Every value is scored by ``optimize_prior_precision("val")`` (the same seed for
+    each, so all see the same noise); returns the :func:`~bayeswrap.evaluation.tuning.tune` record.
+    """
+    option, grid = tuning_option(cfg.method)
+
+    def val_nll_of(value: float) -> float:
+        bnn.optimize_prior_precision("val", val_loader=val_loader, grid=[value], num_samples=num_samples,
+                                     seed=cfg.seed)
+        return bnn.val_search["nll"][0]
+
+    record = tune(grid, val_nll_of, bounds=tuning_bounds(cfg.method, option))
+    bnn.prior_precision = record["chosen"]
+    bnn.val_search = {"grid": record["grid"], "nll": record["val_nll"]}
+    return record
+
+
 def _tune_prior_precision(bnn, splits, cfg: RunConfig, tuning: dict, num_samples: int, device) -> dict:
-    """Laplace's post-hoc prior precision: the grid value with the lowest validation NLL, set on ``bnn``."""
-    chosen = bnn.optimize_prior_precision("val", val_loader=_eval_loader(splits.val, cfg), grid=tuning["grid"],
-                                          num_samples=num_samples, seed=cfg.seed)
-    grid = bnn.val_search["grid"]
-    log.info("laplace: prior precision %g chosen by validation NLL over %s", chosen, grid)
-    return {"option": "prior_precision", "grid": grid, "val_nll": bnn.val_search["nll"], "chosen": chosen,
-            "chosen_index": grid.index(chosen)}
+    """The final run's post hoc knob (Laplace's prior precision), appended to the tuning record as a stage."""
+    record = _post_hoc_tune(bnn, _eval_loader(splits.val, cfg), cfg, num_samples)
+    log.info("%s: %s %g chosen by validation NLL over %s (bound hit: %s)", cfg.method, POST_HOC, record["chosen"],
+             record["grid"], record["bound_hit"])
+    stage = {"stage": "post_hoc", "option": POST_HOC, "fixed": {"prior_std": cfg.prior_std}, **record}
+    return {**tuning, "options": {**tuning.get("options", {}), POST_HOC: record["chosen"]},
+            "val_nll": record["val_nll"][record["chosen_index"]], "stages": [*tuning.get("stages", []), stage]}
 
 
 def _sample_and_report(cfg, run_dir, splits, ood_test, bnn, device, sample_counts) -> dict:
@@ -461,7 +496,7 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
     bnn.after_fit(_finalize_loader(splits.train, cfg))
     if not main:
         return None
-    if tuning is not None and tuning.get("option") == "prior_precision":
+    if tuning is not None and _knob(cfg.method) == POST_HOC:
         tuning = _tune_prior_precision(bnn, splits, cfg, tuning, sample_counts[-1], device)
     save_checkpoint(run_dir / "best.pt", bnn.state_dict())
     reports = {}
@@ -541,10 +576,11 @@ def compare_methods() -> tuple[str, ...]:
     """The methods ``bayeswrap compare`` runs by default: those whose class sets ``in_default_comparison``."""
     return tuple(m for m, cls in METHODS.items() if cls.in_default_comparison)
 
-COMPARE_COLUMNS = ("method", "num_samples", "error", "ece", "nll", "ece_Topt", "nll_Topt", "temperature",
+COMPARE_COLUMNS = ("method", "tuned", "num_samples", "error", "ece", "nll", "ece_Topt", "nll_Topt", "temperature",
                    "shift_error", "shift_ece", "shift_nll", "shift_ece_Topt", "shift_nll_Topt",
                    "ood_auroc_entropy", "ood_auroc_mi")
-"""Columns of comparison.md/.csv: in distribution at T = 1 and at the fitted T; the mean over every
+"""Columns of comparison.md/.csv: the options chosen by tuning (``prior_std=0.3, kl_weight=0.01``; empty
+with ``--no-tune``); in distribution at T = 1 and at the fitted T; the mean over every
 non-zero shift intensity (rotation and noise) at T = 1 and at the in-distribution T; OOD AUROC of
 held-out classes scored by predictive entropy and by mutual information (empty for S < 2)."""
 
@@ -557,7 +593,7 @@ def comparison_rows(results: dict[str, dict]) -> list[dict]:
             topt = rep.get("Topt") or {}
             shift = (rep.get("shift") or {}).get("summary", {})
             ood = rep.get("ood") or {}
-            rows.append({"method": method, "num_samples": int(s), "error": rep["T1"]["error"],
+            rows.append({"method": method, "tuned": tuned_text(metrics), "num_samples": int(s), "error": rep["T1"]["error"],
                          "ece": rep["T1"]["ece"], "nll": rep["T1"]["nll"],
                          "ece_Topt": topt.get("ece"), "nll_Topt": topt.get("nll"),
                          "temperature": rep.get("temperature"),
@@ -565,6 +601,19 @@ def comparison_rows(results: dict[str, dict]) -> list[dict]:
                          "ood_auroc_entropy": (ood.get("entropy") or {}).get("auroc"),
                          "ood_auroc_mi": (ood.get("mutual_information") or {}).get("auroc")})
     return rows
+
+
+def tuned_options(metrics: dict) -> dict:
+    """``{option: chosen value}`` of a run's tuning record (``metrics.json["tuning"]``); empty without one."""
+    tuning = metrics.get("tuning") or {}
+    if "options" in tuning:
+        return dict(tuning["options"])
+    return {tuning["option"]: tuning["chosen"]} if "option" in tuning else {}  # a record of one knob
+
+
+def tuned_text(metrics: dict) -> str:
+    """The tuned options as ``prior_std=0.3, kl_weight=0.01`` (empty without tuning)."""
+    return ", ".join(f"{k}={v:g}" for k, v in tuned_options(metrics).items())
 
 
 def _markdown(rows: list[dict]) -> str:
@@ -598,11 +647,19 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
     (so ``per_method`` entries apply), and each method gets its own run folder.
 
     With ``tune_options`` (the default; ``--no-tune`` turns it off) every method
-    first selects its key option (:data:`bayeswrap.evaluation.tuning.TUNING`) by the
-    validation NLL of the posterior predictive at the last S of
-    ``sample_counts``, each grid point trained on the same budget; the final run
-    uses the chosen value, and each ``metrics.json`` records the grid, the
-    validation NLLs and the choice under ``"tuning"``.
+    with a knob (:data:`bayeswrap.methods.TUNING`) first selects it and its prior
+    std by the validation NLL of the posterior predictive at the last S of
+    ``sample_counts``, each candidate trained on the same budget, on grids that
+    bracket the optimum (:mod:`bayeswrap.evaluation.tuning`; Ovadia et al. 2019,
+    §4): MAP (:data:`PRIOR_SOURCE`, run first) tunes its prior std; every other
+    method starts from MAP's tuned prior std (the configured one without MAP),
+    tunes its knob, then scores the prior std at a third and three times that
+    value and keeps the best (:func:`~bayeswrap.evaluation.tuning.tune_with_prior`).
+    A knob set post hoc (Laplace's prior precision) is tuned on each candidate's
+    fitted posterior, so only the training prior std goes through the stages.
+    The final run uses the chosen values; each ``metrics.json`` records every
+    stage under ``"tuning"`` (see :func:`_compare_one`), and the table's
+    ``tuned`` column names the chosen values.
 
     The comparison folder keeps its own invocation in ``compare.yaml``. With
     ``resume`` (a comparison folder), that invocation is read back: finished
@@ -668,10 +725,16 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
         write_yaml(base / "compare.yaml", {"config_file": file_values, "overrides": overrides, "methods": methods,
                                            "num_samples": sample_counts, "tune": tune_options})
     try:
-        results = {}
-        for method in methods:
+        results, inherited = {}, None
+        # MAP first (the others inherit its σ); ensembles after their members (they inherit the member's options)
+        for method in sorted(methods, key=lambda m: (m != PRIOR_SOURCE, issubclass(METHODS[m], Ensemble))):
+            member = _ensemble_member(configs[method])
             results[method] = _compare_one(base, method, configs[method], sample_counts, tune_options,
-                                           resume is not None, changes, command)
+                                           resume is not None, changes, command, prior_std=inherited,
+                                           member_tuning=results.get(member, {}).get("tuning") if member else None)
+            if method == PRIOR_SOURCE and tune_options:
+                inherited = tuned_options(results[method]).get("prior_std")
+        results = {m: results[m] for m in methods}
         rows = comparison_rows(results)
         write_text(base / "comparison.md", _markdown(rows))
         write_text(base / "comparison.csv", _csv(rows))
@@ -686,9 +749,49 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
         lock.release()
 
 
+def _ensemble_member(cfg: RunConfig) -> str | None:
+    """The member method of an ensemble run (its ``member`` option, else the class's default), else None."""
+    cls = METHODS[cfg.method]
+    if not issubclass(cls, Ensemble):
+        return None
+    return cfg.option("member") or cls.default_member
+
+
+def _inherit_member_tuning(cfg: RunConfig, member: str, member_tuning: dict) -> tuple[RunConfig, dict]:
+    """An ensemble run with its member method's tuned options: ``prior_std`` for every member, the knob through
+    ``member_kwargs`` (a deep ensemble of M tuned networks, as practitioners build one); and its tuning record.
+
+    A post hoc knob (Laplace's prior precision) is fitted per member and is not inherited.
+    """
+    options = {k: v for k, v in member_tuning.get("options", {}).items() if k in tuned_option_names(member)}
+    prior = options.pop("prior_std", None)
+    values = {} if prior is None else {"prior_std": prior}
+    if options:
+        values["member_kwargs"] = {**(cfg.option("member_kwargs") or {}), **options}
+    record = {"options": {**({} if prior is None else {"prior_std": prior}), **options}, "inherited_from": member,
+              "val_nll": member_tuning.get("val_nll"), "stages": []}
+    return cfg.with_options(**values), record
+
+
 def _compare_one(base: Path, method: str, cfg: RunConfig, sample_counts, tune_options: bool, resume: bool,
-                 changes: dict, command: str) -> dict:
-    """One method of a comparison: reuse a finished run, continue an interrupted one, or run it."""
+                 changes: dict, command: str, *, prior_std: float | None = None,
+                 member_tuning: dict | None = None) -> dict:
+    """One method of a comparison: reuse a finished run, continue an interrupted one, or tune and run it.
+
+    Tuning (``tune_options``, methods with a knob) follows
+    :func:`~bayeswrap.evaluation.tuning.tune_with_prior`, starting from ``prior_std``
+    (MAP's tuned value; None: the configured one). Every candidate is scored by
+    :func:`tuning_score`. The record is written to ``tuning_<method>.json`` before
+    the final run, which a resumed comparison reads back instead of tuning again
+    (:func:`read_tuning_file`). An ensemble whose member method ran earlier in the
+    comparison (``member_tuning``, that run's record) is not tuned again: it takes
+    the member's tuned options (:func:`_inherit_member_tuning`). The record is stored in
+    ``metrics.json["tuning"]`` as
+    ``{"options": {option: value}, "val_nll", "choice", "prior_std_from": "map" |
+    "config", "stages": [{"stage", "option", "fixed", "grid", "val_nll",
+    "chosen", "chosen_index", "extensions", "reused", "bound_hit", "bounds"}]}``;
+    the post hoc knob of the final run is its last stage (``"post_hoc"``).
+    """
     run_dir = base / method
     run_cfg = replace(cfg, out_dir=str(base), run_name=method, overwrite=False)
     if resume and (run_dir / "metrics.json").is_file():
@@ -696,22 +799,85 @@ def _compare_one(base: Path, method: str, cfg: RunConfig, sample_counts, tune_op
         return json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
     tuning_path = base / f"tuning_{method}.json"
     tuning = None
-    knob = tuning_option(method) if tune_options else None
-    if knob is not None and knob[0] == "prior_precision":
-        tuning = {"option": knob[0], "grid": list(knob[1])}  # post hoc, inside run_fit
-    elif knob is not None and resume and tuning_path.is_file():
-        tuning = json.loads(tuning_path.read_text(encoding="utf-8"))
-        run_cfg = run_cfg.with_options(**{tuning["option"]: tuning["chosen"]})
+    knob = _knob(method) if tune_options else None
+    member = _ensemble_member(cfg)
+    if tune_options and member is not None and member_tuning:  # an ensemble: its member method's tuned options
+        run_cfg, tuning = _inherit_member_tuning(run_cfg, member, member_tuning)
+        resume_run = resume and runs.is_run_folder(run_dir)
+        return run_fit(run_cfg.validate(), sample_counts, tuning, resume=resume_run, changes=changes or None,
+                       resume_command=command)[1]
+    if knob is not None and resume and tuning_path.is_file():
+        tuning = read_tuning_file(tuning_path, method)
     elif knob is not None:
-        option, grid = knob
-        log.warning("compare: tuning %s's %s over %s by validation NLL", method, option, list(grid))
-        tuning = {"option": option, **tune(grid, lambda v: tuning_score(
-            run_cfg.with_options(**{option: v}).validate(), sample_counts[-1]))}
+        tuning = _tune_one(run_cfg, method, knob, sample_counts[-1], prior_std)
         write_json(tuning_path, tuning)
-        run_cfg = run_cfg.with_options(**{option: tuning["chosen"]})
+    if tuning is not None:
+        run_cfg = run_cfg.with_options(**tuning["options"])
     resume_run = resume and runs.is_run_folder(run_dir)
     return run_fit(run_cfg.validate(), sample_counts, tuning, resume=resume_run, changes=changes or None,
                    resume_command=command)[1]
+
+
+def _tune_one(run_cfg: RunConfig, method: str, knob: str, num_samples: int, prior_std: float | None) -> dict:
+    """The tuning record of one method (see :func:`_compare_one`): each candidate trained by :func:`tuning_score`."""
+    source = "config" if prior_std is None or knob == "prior_std" else PRIOR_SOURCE
+    start = run_cfg.prior_std if source == "config" else prior_std
+    scored_knob = None if knob == POST_HOC else knob  # a post hoc knob is tuned inside each candidate's score
+    grid = tuning_option(method)[1] if scored_knob else ()
+    if knob == "prior_std":
+        log.warning("compare: tuning %s by validation NLL: prior_std over %s", method, list(grid))
+    else:
+        log.warning("compare: tuning %s by validation NLL: %s over %s, then prior_std around %s's %g", method,
+                    scored_knob or "(post hoc knob only)", list(grid), source, start)
+
+    def score(options: dict) -> float:
+        return tuning_score(run_cfg.with_options(**options).validate(), num_samples)
+
+    record = tune_with_prior(score, knob=scored_knob, grid=grid,
+                             bounds=tuning_bounds(method, scored_knob) if scored_knob else (0.0, math.inf),
+                             prior_std=start, prior_bounds=tuning_bounds(method, "prior_std"))
+    for stage in record["stages"]:
+        if stage["bound_hit"] is not None:
+            log.warning("compare: %s's %s not bracketed: %s", method, stage["option"], stage["bound_hit"])
+    return {**record, "prior_std_from": source}
+
+
+def tuned_option_names(method: str) -> tuple[str, ...]:
+    """The options a tuning record may set before training ``method``: its prior std and its knob (not a post hoc one)."""
+    knob = _knob(method)
+    return ("prior_std",) + ((knob,) if knob not in (None, "prior_std", POST_HOC) else ())
+
+
+def read_tuning_file(path: Path, method: str) -> dict:
+    """A ``tuning_<method>.json`` of a resumed comparison, checked before any of it is applied.
+
+    Only the method's tuned options (:func:`tuned_option_names`) may be set, each a
+    finite number: the file must not change anything else of the run (its folder,
+    data or model).
+
+    Raises:
+        ValueError: naming the file, for a file that is not a tuning record, an
+            option that is not one of the method's tuned options, or a value that
+            is not a finite number.
+    """
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not a readable tuning record ({err}); delete it to tune {method} again") \
+            from None
+    options = record.get("options") if isinstance(record, dict) else None
+    if not isinstance(options, dict) or not options:
+        raise ValueError(f"{path} is not a tuning record (no {{'options': {{option: value}}}}); delete it to tune "
+                         f"{method} again")
+    allowed = tuned_option_names(method)
+    bad = [k for k in options if k not in allowed]
+    if bad:
+        raise ValueError(f"{path}: {', '.join(map(str, bad))} is not a tuned option of method {method!r}; "
+                         f"accepted: {', '.join(allowed)}")
+    for key, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{path}: {key}={value!r} is not a finite number")
+    return record
 
 
 def _int_list(text: str) -> list[int]:
@@ -779,8 +945,8 @@ def make_parser() -> argparse.ArgumentParser:
     p_cmp.add_argument("--num-samples", default="0,5", dest="num_samples_list",
                        help="comma-separated posterior sample counts S (default: 0,5)")
     p_cmp.add_argument("--no-tune", action="store_false", dest="tune",
-                       help="skip the tuning of each method's key option by validation NLL "
-                            "(bayeswrap.evaluation.tuning.TUNING); use the configured values")
+                       help="skip the tuning of each method's key option and prior std by validation NLL "
+                            "(bayeswrap.evaluation.tuning); use the configured values")
     p_cmp.add_argument("--resume", metavar="COMPARE_DIR", default=None,
                        help="continue an interrupted comparison in COMPARE_DIR with its own compare.yaml (finished "
                             "methods are kept)")

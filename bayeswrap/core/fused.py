@@ -142,8 +142,16 @@ def _views(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Te
 
 
 def _draws_like(tensors: Sequence[torch.Tensor], kind: str, generator: torch.Generator | None) -> list[torch.Tensor]:
-    """Draws of :func:`random_buckets` split into tensors shaped like ``tensors``."""
+    """Draws of :func:`random_buckets` split into tensors shaped like ``tensors``.
+
+    Under a ``torch.func`` transform (see :func:`available`) each draw is an
+    out-of-place ``randn_like``/``rand_like`` instead, which ``vmap`` batches
+    (different draws per vmapped member with ``randomness="different"``).
+    """
     tensors = list(tensors)
+    if not available() and generator is None:
+        draw = torch.randn_like if kind == "normal" else torch.rand_like
+        return [draw(t) for t in tensors]
     groups = buckets(tensors)
     out: list[torch.Tensor] = []
     for idx, flat in zip(groups, random_buckets(tensors, groups, kind, generator)):
@@ -356,6 +364,16 @@ def uniform_like(tensors: Sequence[torch.Tensor], generator: torch.Generator | N
     return _draws_like(tensors, "uniform", generator)
 
 
+def available() -> bool:
+    """Whether the fused kernels may run here: not inside a ``torch.func`` transform (``vmap``, ``grad``).
+
+    Their ``autograd.Function`` classes have no functorch rules, so a caller
+    under a transform (e.g. an ensemble's members evaluated under ``vmap``) takes
+    the plain-tensor path, which computes the same values.
+    """
+    return not torch._C._are_functorch_transforms_active()
+
+
 class _GaussianPenalty(torch.autograd.Function):
     """Σ_i c_i ‖θ_i − θ̄_i‖² with gradient 2 c_i (θ_i − θ̄_i), via foreach kernels."""
 
@@ -387,4 +405,6 @@ def gaussian_penalty(theta: list[torch.Tensor], means: list[torch.Tensor], scale
     Returns:
         A scalar tensor.
     """
+    if not available():  # under vmap/grad: the same sum with plain ops
+        return sum(c * (t - m).pow(2).sum() for t, m, c in zip(theta, means, scales))
     return _GaussianPenalty.apply((list(means), list(scales)), *theta)

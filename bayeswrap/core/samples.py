@@ -1,4 +1,4 @@
-"""A memory-bounded store of posterior draws, shared by every sample-based method.
+"""Memory-bounded stores of posterior draws and running moments, shared by every sample-based method.
 
 SGLD keeps its thinned iterates here, and a full-batch MCMC sampler (MH, HMC)
 is meant to put its draws here too: the store knows nothing about how a draw
@@ -22,6 +22,12 @@ times (a full ring buffer would instead forget the start of the chain, and a
 reservoir would space the draws randomly). This is the "thinning by doubling"
 used by MCMC packages for bounded traces.
 
+Two more pieces serve methods that summarise a trajectory instead of (or
+besides) keeping it: :func:`welford_update_` folds one iterate into running
+first and second moments (SGLD's Gaussian predictive, SWAG's θ_SWA and
+diagonal variance), and :class:`RingStore` keeps the last ``capacity`` of a
+stream of tensors (SWAG's deviation matrix).
+
 Example:
     >>> store = SampleStore({"w": torch.zeros(3)}, max_samples=5)
     >>> for i in range(9):
@@ -41,12 +47,37 @@ from torch import nn
 
 from bayeswrap.core.checks import check_int
 
-__all__ = ["SampleStore", "spread_indices"]
+__all__ = ["RingStore", "SampleStore", "spread_indices", "welford_update_", "welford_variance"]
 
 
 def _mangle(name: str) -> str:
     # buffer names may not contain "."; "/" never occurs in module paths (as in bayeswrap.core.functional)
     return name.replace(".", "/")
+
+
+def _resize_rows_for_load(store: nn.Module, state_dict, prefix: str, capacity: int, what: str, limit: str,
+                          error_msgs: list[str]) -> bool:
+    """Resizes a store's row buffers to the rows a checkpoint holds (before ``nn.Module`` copies them in).
+
+    Args:
+        store: a module with ``names``, ``shapes`` and one (rows, *shape) buffer per name.
+        capacity: the most rows the store may hold.
+        what, limit: words for the error message (e.g. ``"draws"``, ``"max_samples"``).
+        error_msgs: ``_load_from_state_dict``'s error list.
+
+    Returns:
+        False (with a message appended) if the checkpoint holds more rows than ``capacity``.
+    """
+    for n in store.names:
+        incoming = state_dict.get(prefix + _mangle(n))
+        if isinstance(incoming, torch.Tensor) and incoming.ndim >= 1 and tuple(incoming.shape[1:]) == store.shapes[n]:
+            if incoming.shape[0] > capacity:
+                error_msgs.append(f"{prefix}{_mangle(n)} holds {incoming.shape[0]} {what}, more than "
+                                  f"{limit}={capacity}")
+                return False
+            old = store._buffers[_mangle(n)]
+            store._buffers[_mangle(n)] = torch.empty(incoming.shape, dtype=old.dtype, device=old.device)
+    return True
 
 
 def spread_indices(num_samples: int, count: int) -> torch.Tensor:
@@ -295,19 +326,163 @@ class SampleStore(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        for n in self.names:
-            incoming = state_dict.get(prefix + _mangle(n))
-            if isinstance(incoming, torch.Tensor) and incoming.ndim >= 1 \
-                    and tuple(incoming.shape[1:]) == self.shapes[n]:
-                if incoming.shape[0] > self.max_samples:
-                    error_msgs.append(f"{prefix}{_mangle(n)} holds {incoming.shape[0]} draws, more than "
-                                      f"max_samples={self.max_samples}")
-                    return
-                old = self._buffer(n)
-                self._buffers[_mangle(n)] = torch.empty(incoming.shape, dtype=old.dtype, device=old.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        if _resize_rows_for_load(self, state_dict, prefix, self.max_samples, "draws", "max_samples", error_msgs):
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
 
     def extra_repr(self) -> str:
         return (f"{len(self.names)} tensors, num_stored={self.num_stored}/{self.max_samples}, stride={self.stride}, "
                 f"dtype={self.fixed_dtype}, device={self.fixed_device}")
+
+
+# ---------------------------------------------------------------------------------------------- running moments
+@torch.no_grad()
+def welford_update_(mean: Sequence[torch.Tensor], m2: Sequence[torch.Tensor], value: Sequence[torch.Tensor],
+                    count: int) -> list[torch.Tensor]:
+    """Folds the ``count``-th value into running means and sums of squared deviations, in place (Welford 1962).
+
+    With δ = x − μ_{n−1}: μ_n = μ_{n−1} + δ / n and M2_n = M2_{n−1} + δ · (x − μ_n), so
+    M2_n / n is the population variance of the n values seen (numerically stable, one
+    pass, ``torch._foreach`` ops over all tensors at once).
+
+    Args:
+        mean: running means μ_{n−1} (updated in place to μ_n).
+        m2: running sums of squared deviations M2_{n−1} (updated in place to M2_n).
+        value: the new values x, one per tensor of ``mean`` (same shapes, devices and dtypes).
+        count: n, the number of values including this one (an integer ≥ 1).
+
+    Returns:
+        x − μ_n for every tensor: the deviation of the new value from the *updated* mean
+        (SWAG's deviation column, Maddox et al. 2019, Algorithm 1), fresh tensors.
+    """
+    mean, m2, value = list(mean), list(m2), list(value)
+    delta = torch._foreach_sub(value, mean)
+    torch._foreach_add_(mean, torch._foreach_div(delta, float(count)))
+    deviation = torch._foreach_sub(value, mean)
+    torch._foreach_addcmul_(m2, delta, deviation)
+    return deviation
+
+
+def welford_variance(m2: Mapping[str, torch.Tensor], count: int) -> dict[str, torch.Tensor]:
+    """The population variances M2 / n of :func:`welford_update_`'s accumulators, ``{name: tensor}`` (≥ 0).
+
+    Args:
+        m2: ``{name: M2}``.
+        count: n ≥ 1, the number of values folded in.
+    """
+    return {k: (v / float(count)).clamp_min_(0.0) for k, v in m2.items()}
+
+
+# ---------------------------------------------------------------------------------------------- ring buffer
+class RingStore(nn.Module):
+    """The last ``capacity`` items of a stream of named tensors (a ring buffer), as checkpointed buffers.
+
+    Item i of the stream (0-based) lives in row ``i mod capacity``; once the
+    store is full each new item overwrites the oldest. Rows are allocated at the
+    first :meth:`append` (``capacity`` rows per tensor, no memory before), and
+    the buffers follow the enclosing module's ``.to()``. ``state_dict()`` holds
+    the ``num_stored`` valid rows of each tensor, (num_stored, *shape), in
+    storage order, plus the counters in an ``_extra_state`` dict of ints, so
+    ``torch.load(..., weights_only=True)`` reads it back and a freshly built store
+    loads it (and continues the stream exactly, overwriting the same rows).
+
+    Args:
+        template: ``{name: tensor}`` giving the names, shapes, dtypes and devices of an item.
+        capacity: most items held (an integer ≥ 1).
+
+    Attributes:
+        num_written: items appended so far.
+        num_stored: items held now, ``min(num_written, capacity)`` (also ``len(store)``).
+
+    Raises:
+        ValueError: for ``capacity`` < 1 or an empty template.
+    """
+
+    def __init__(self, template: Mapping[str, torch.Tensor], capacity: int):
+        super().__init__()
+        self.capacity = check_int("capacity", capacity, minimum=1)
+        if not template:
+            raise ValueError("a RingStore needs at least one named tensor in its template")
+        self.names = list(template)
+        self.shapes = {n: tuple(t.shape) for n, t in template.items()}
+        self.num_written = 0
+        for n, t in template.items():
+            self.register_buffer(_mangle(n), torch.empty((0, *t.shape), dtype=t.dtype, device=t.device))
+
+    def __len__(self) -> int:
+        return self.num_stored
+
+    @property
+    def num_stored(self) -> int:
+        return min(self.num_written, self.capacity)
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        return self._buffers[_mangle(name)]
+
+    @torch.no_grad()
+    def append(self, item: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]) -> None:
+        """Writes the next item (a copy), overwriting the oldest one when full.
+
+        Args:
+            item: ``{name: tensor}``, or the tensors in template order, each of its template's shape.
+
+        Raises:
+            ValueError: if a tensor has the wrong shape.
+        """
+        tensors = [item[n] for n in self.names] if isinstance(item, Mapping) else list(item)
+        for n, t in zip(self.names, tensors, strict=True):
+            if tuple(t.shape) != self.shapes[n]:
+                raise ValueError(f"item[{n!r}] has shape {tuple(t.shape)}, the store expects {self.shapes[n]}")
+        if self._buffer(self.names[0]).shape[0] < self.capacity:
+            self._grow()
+        row = self.num_written % self.capacity
+        for n, t in zip(self.names, tensors):
+            self._buffer(n)[row].copy_(t.detach())
+        self.num_written += 1
+
+    def _grow(self) -> None:
+        for n in self.names:
+            old = self._buffer(n)
+            grown = torch.zeros((self.capacity, *self.shapes[n]), dtype=old.dtype, device=old.device)
+            grown[:old.shape[0]].copy_(old)
+            self._buffers[_mangle(n)] = grown
+
+    def stored(self) -> dict[str, torch.Tensor]:
+        """The held items in storage order, ``{name: (num_stored, *shape)}`` (views; sums over items ignore order)."""
+        return {n: self._buffer(n)[:self.num_stored] for n in self.names}
+
+    def all(self) -> dict[str, torch.Tensor]:
+        """The held items oldest first, ``{name: (num_stored, *shape)}`` (copies)."""
+        start = self.num_written % self.capacity if self.num_written > self.capacity else 0
+        order = (torch.arange(self.num_stored) + start) % max(self.num_stored, 1)
+        return {n: t.index_select(0, order.to(t.device)) for n, t in self.stored().items()}
+
+    def clear(self) -> None:
+        """Forgets every item (the allocated memory is kept)."""
+        self.num_written = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for n, t in self.stored().items():
+            destination[prefix + _mangle(n)] = t if keep_vars else t.detach()
+        destination[prefix + "_extra_state"] = self.get_extra_state()
+
+    def get_extra_state(self) -> dict:
+        return {"num_written": self.num_written, "capacity": self.capacity}
+
+    def set_extra_state(self, state) -> None:
+        self.num_written = int(state["num_written"])  # capacity was checked by _load_from_state_dict
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        extra = state_dict.get(prefix + "_extra_state")
+        if isinstance(extra, Mapping) and int(extra.get("capacity", self.capacity)) != self.capacity:
+            error_msgs.append(f"{prefix}_extra_state: the checkpoint's ring buffer holds the last "
+                              f"{extra.get('capacity')} items, this store the last {self.capacity}")
+            return
+        if _resize_rows_for_load(self, state_dict, prefix, self.capacity, "items", "capacity", error_msgs):
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+
+    def extra_repr(self) -> str:
+        return f"{len(self.names)} tensors, num_stored={self.num_stored}/{self.capacity}"

@@ -185,3 +185,21 @@ def exploration_steps(num_steps: int, cycles: int, exploration: float) -> int:
     while n < length and n / length < exploration:
         n += 1
     return n
+
+
+def restore_param_groups(optimizer, recorded: dict[str, str]) -> None:
+    """Gives every parameter group back the values a method recorded in it when it took over the schedule.
+
+    A method that drives the optimizer's step size per step (cyclical SGLD, SWAG's
+    ``swa_lr``) records each group's base value under its own key (so it survives
+    ``optimizer.state_dict()`` and a resume); at the end of the fit this restores
+    and removes them.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer``.
+        recorded: ``{record key: group key}``, e.g. ``{"sgld_base_lr": "lr"}``.
+    """
+    for group in optimizer.param_groups:
+        for record, key in recorded.items():
+            if record in group:
+                group[key] = group.pop(record)

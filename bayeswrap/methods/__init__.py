@@ -5,10 +5,17 @@
 
 from __future__ import annotations
 
-import inspect
+import math
 from collections.abc import Iterator, Mapping
 
-from bayeswrap.methods.base import METHODS, BayesianModel, LossOutput, NotFittedError, register_method
+from bayeswrap.methods.base import (
+    METHODS,
+    BayesianModel,
+    LossOutput,
+    NotFittedError,
+    method_option_defaults,
+    register_method,
+)
 
 # registration order = the order methods are listed in messages and docs
 from bayeswrap.methods.map import MAP  # isort: skip
@@ -16,14 +23,12 @@ from bayeswrap.methods.vi import VI  # isort: skip
 from bayeswrap.methods.ivon import IVON  # isort: skip
 from bayeswrap.methods.mc_dropout import MCDropout  # isort: skip
 from bayeswrap.methods.sgld import SGLD  # isort: skip
+from bayeswrap.methods.swag import SWAG  # isort: skip
 from bayeswrap.methods.laplace import Laplace  # isort: skip
 from bayeswrap.methods.sparse_vd import KingmaVD, SparseVD  # isort: skip
 from bayeswrap.methods.lbbnn import LBBNN  # isort: skip
 from bayeswrap.methods.mcmc import HMC, MetropolisHastings  # isort: skip
-
-_COMMON = ("num_data", "prior_std", "prior_mean", "bias", "params", "likelihood", "noise_std", "kl_weight",
-           "chunk_size")
-
+from bayeswrap.methods.ensemble import Ensemble, MultiSWAG  # isort: skip
 
 class _TuningView(Mapping):
     """``{method: (option, grid)}`` read live from each registered class's ``tuning`` attribute."""
@@ -50,20 +55,13 @@ def tuning_option(method: str) -> tuple[str, tuple[float, ...]] | None:
     return METHODS[method].tuning
 
 
-def method_option_defaults(method: str) -> dict:
-    """``{option: library default}`` of a registered method's own keyword options (its constructors' along the MRO).
+def tuning_bounds(method: str, option: str) -> tuple[float, float]:
+    """``(low, high)`` that a tuning grid of ``option`` may be extended to for ``method``.
 
-    Raises:
-        KeyError: for an unregistered method.
+    Read from the class's ``tuning_bounds``; ``(0, inf)`` for an option it does not bound.
     """
-    defaults: dict = {}
-    for klass in METHODS[method].__mro__:
-        if klass is BayesianModel or "__init__" not in vars(klass):
-            continue
-        for p in inspect.signature(klass.__init__).parameters.values():
-            if p.kind is p.KEYWORD_ONLY and p.name not in _COMMON and p.name not in defaults:
-                defaults[p.name] = p.default
-    return defaults
+    low, high = METHODS[method].tuning_bounds.get(option, (0.0, math.inf))
+    return float(low), float(high)
 
 
 def method_options(method: str) -> tuple[str, ...]:
@@ -84,8 +82,8 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
 
     Args:
         model: any ``torch.nn.Module``.
-        method: one of ``"map"``, ``"vi"``, ``"mc_dropout"``, ``"sgld"``, ``"laplace"``, ``"ivon"``
-            (Shen et al. 2024; train with ``bw.optim.IVON``), or the
+        method: one of ``"map"``, ``"vi"``, ``"mc_dropout"``, ``"sgld"``, ``"swag"`` (Maddox et al. 2019;
+            any optimizer), ``"laplace"``, ``"ivon"`` (Shen et al. 2024; train with ``bw.optim.IVON``), or the
             sparsifying variational-dropout methods ``"sparse_vd"`` (Molchanov et al. 2017) and
             ``"kingma_vd"`` (Kingma et al. 2015).
         num_data: N, the training-set size that scales the prior/KL term (integer ≥ 1).
@@ -99,7 +97,8 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
         **method_options_: ``kl_weight`` and ``chunk_size`` for every method, plus
             the method's own options (see :func:`method_options`):
             vi: ``init_std``, ``num_train_samples``; mc_dropout: ``p_drop``,
-            ``num_train_samples``; sgld: ``burn_in``, ``thinning``; laplace:
+            ``num_train_samples``; sgld: ``burn_in``, ``thinning``; swag: ``swa_start``, ``collect_every``,
+            ``max_rank``, ``scale``, ``covariance``, ``swa_lr``, ``bn_update_batches``; laplace:
             ``curvature``, ``curvature_chunk_size``; ivon: ``hess_init``; sparse_vd: ``init_log_var``;
             kingma_vd: ``init_log_alpha`` (``method_options(name)`` lists them all).
 
@@ -131,5 +130,5 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
 
 
 __all__ = ["METHODS", "BayesianModel", "LossOutput", "NotFittedError", "register_method", "wrap", "method_options",
-           "method_option_defaults", "TUNING", "tuning_option",
+           "method_option_defaults", "TUNING", "tuning_option", "tuning_bounds",
            *(cls.__name__ for cls in dict.fromkeys(METHODS.values()))]

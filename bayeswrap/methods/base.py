@@ -18,6 +18,7 @@ Everything else (the functional forward, the loss, the posterior predictive,
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -54,6 +55,27 @@ def register_method(name: str):
         return cls
 
     return deco
+
+
+#: the options of :class:`BayesianModel` itself, which every method takes (the rest are a method's own)
+COMMON_OPTIONS = ("num_data", "prior_std", "prior_mean", "bias", "params", "likelihood", "noise_std", "kl_weight",
+                  "chunk_size")
+
+
+def method_option_defaults(method: str) -> dict:
+    """``{option: library default}`` of a registered method's own keyword options (its constructors' along the MRO).
+
+    Raises:
+        KeyError: for an unregistered method.
+    """
+    defaults: dict = {}
+    for klass in METHODS[method].__mro__:
+        if klass is BayesianModel or "__init__" not in vars(klass):
+            continue
+        for p in inspect.signature(klass.__init__).parameters.values():
+            if p.kind is p.KEYWORD_ONLY and p.name not in COMMON_OPTIONS and p.name not in defaults:
+                defaults[p.name] = p.default
+    return defaults
 
 
 class NotFittedError(RuntimeError):
@@ -132,13 +154,24 @@ class BayesianModel(nn.Module, ABC):
     bias_options: tuple[str, ...] = ("informative", "uninformative")
     allows_no_prior = False
     #: ``(option, grid)`` that ``bayeswrap compare`` tunes by validation NLL (Ovadia et al. 2019, §4), or None;
-    #: the grid is log-spaced around the library default and brackets the usual optimum
+    #: the starting grid (at most 5 trained points), log-spaced around the library default; compare extends it past
+    #: a winning edge, within ``tuning_bounds``
     tuning: tuple[str, tuple[float, ...]] | None = None
+    #: ``{option: (low, high)}``: how far ``bayeswrap compare`` may extend a tuning grid past its edge
+    #: (:func:`bayeswrap.evaluation.tuning.tune`); the prior std of every method and each knob by name (p_drop < 0.5
+    #: keeps half of the weights, noise_scale <= 1 keeps the temperature <= 1); an option not listed is bounded only
+    #: by the number of extensions. A method with a new knob adds it: ``{**BayesianModel.tuning_bounds, ...}``
+    tuning_bounds: dict[str, tuple[float, float]] = {
+        "prior_std": (1e-3, 1e3), "kl_weight": (1e-5, 10.0), "p_drop": (0.01, 0.5), "noise_scale": (0.01, 1.0),
+        "prior_precision": (1e-6, 1e8)}
     #: run settings the command line uses for this method unless the config sets them (e.g. the step size of
     #: a method that owns its update); method options are never listed here: their defaults are the constructor's
     recommended: dict = {}
     #: whether ``bayeswrap compare`` runs this method when ``--methods`` is not given
     in_default_comparison = False
+    #: state-dict prefixes the training loss never reads (stored draws, running moments), which an ensemble
+    #: leaves out when it evaluates its members under ``vmap``
+    loss_free_state: tuple[str, ...] = ()
 
     def __init__(self, model: nn.Module, *, num_data: int, prior_std: float | None = 1.0, prior_mean="init",
                  bias: str = "informative", params: ParamSelector = None, likelihood: str = "categorical",
@@ -212,6 +245,18 @@ class BayesianModel(nn.Module, ABC):
         """The centre of the current training state (used for validation while training)."""
         return self.posterior_mean()
 
+    def _mean_outputs(self, x) -> torch.Tensor:
+        """Outputs at the posterior mean, (1, B, ·): ``predict(x, num_samples=0)`` before averaging.
+
+        Methods whose mean needs more than a forward (SWAG's BatchNorm update) or
+        that have several (an ensemble: one per member, (M, B, ·)) override this.
+        """
+        return self.forward_with(self.posterior_mean(), x).unsqueeze(0)
+
+    def _point_predictive(self, x):
+        """The predictive of the current training state's centre (validation before the posterior exists)."""
+        return self._predictive(self.forward_with(self._point_estimate(), x).unsqueeze(0))
+
     def is_ready(self) -> bool:
         """Whether the posterior exists (False for Laplace before ``fit_curvature``, SGLD before samples)."""
         return True
@@ -220,7 +265,8 @@ class BayesianModel(nn.Module, ABC):
         """A training sample and the regulariser; methods may fuse the two (VI does)."""
         return self._train_sample(), self.regularizer()
 
-    def before_fit(self, num_steps: int | None, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def before_fit(self, num_steps: int | None, optimizer: torch.optim.Optimizer | None = None,
+                   steps_per_epoch: int | None = None) -> None:
         """Called by :func:`bayeswrap.fit` before the first step.
 
         Args:
@@ -229,6 +275,8 @@ class BayesianModel(nn.Module, ABC):
                 has no length. SGLD uses it for ``burn_in="auto"``.
             optimizer: the optimizer the fit steps (a method that drives its
                 own step-size schedule, e.g. cyclical SGLD, sets it per step).
+            steps_per_epoch: batches per epoch (``len(train_loader)``), or ``None``
+                when the loader has no length (SWAG collects once per epoch).
         """
 
     def after_step(self) -> None:
@@ -390,18 +438,25 @@ class BayesianModel(nn.Module, ABC):
         :func:`bayeswrap.fit` then says whether the inputs, the parameters or the
         initial state caused it.
         """
+        outs, kl = self._train_outputs(x)
+        self.likelihood.check_targets(outs[0], y)
+        return self._loss_output(outs, kl, y)
+
+    def _train_outputs(self, x) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The training forward passes of :meth:`loss`: ``num_train_samples`` outputs and the regulariser.
+
+        Pure in its tensors (no data-dependent checks), so an ensemble can run it under ``vmap``.
+        """
         num = getattr(self, "num_train_samples", 1)
         theta, kl = self._sample_and_regularizer()
-        nll = None
-        for i in range(num):
-            out = self.forward_with(theta if i == 0 else self._train_sample(), x)
-            if nll is None:
-                self.likelihood.check_targets(out, y)
-            term = self.likelihood.nll(out, y)
-            nll = term if nll is None else nll + term
-        nll = nll / num
-        loss = nll + (self.kl_weight / self.num_data) * kl
-        return LossOutput(loss, nll, kl, out)
+        outs = [self.forward_with(theta, x)]
+        outs += [self.forward_with(self._train_sample(), x) for _ in range(num - 1)]
+        return outs, kl
+
+    def _loss_output(self, outs: list[torch.Tensor], kl: torch.Tensor, y) -> LossOutput:
+        """:meth:`loss` from the training outputs and the regulariser (targets already checked)."""
+        nll = sum(self.likelihood.nll(out, y) for out in outs) / len(outs)
+        return LossOutput(nll + (self.kl_weight / self.num_data) * kl, nll, kl, outs[-1])
 
     def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """Draws θ_s ~ q(θ), s = 1..S, for the Bayesian parameters.
@@ -568,7 +623,7 @@ class BayesianModel(nn.Module, ABC):
             return self._predictive(self.sample_logits(x, max(num_samples, 1), generator, model=model)
                                     if num_samples else self.forward_with(self.mpm_mean(), x).unsqueeze(0))
         if num_samples == 0:
-            outs = self.forward_with(self.posterior_mean(), x).unsqueeze(0)
+            outs = self._mean_outputs(x)
         else:
             outs = self._sample_logits(x, num_samples, generator)
         return self._predictive(outs)

@@ -69,7 +69,7 @@ class IVON(BayesianModel):
 
     required_optimizer = bw_optim.IVON
     bias_options = ("informative",)
-    tuning = ("kl_weight", (0.001, 0.01, 0.1, 1.0))
+    tuning = ("kl_weight", (1e-4, 1e-3, 1e-2, 0.1, 1.0))
     #: IVON's lr scales an averaged gradient with no momentum sum; chosen on digits' validation NLL
     recommended = {"lr": 0.5}
     in_default_comparison = True

@@ -27,7 +27,7 @@ class MAP(BayesianModel):
     """
 
     allows_no_prior = True
-    tuning = ("prior_std", (0.1, 0.3, 1.0, 3.0))  # the weight decay 1/(N σ²) of the plain network
+    tuning = ("prior_std", (0.1, 0.3, 1.0, 3.0, 10.0))  # the weight decay 1/(N σ²) of the plain network
     in_default_comparison = True
 
     def _init_posterior(self, init):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from bayeswrap.core import fused
 from bayeswrap.core.functional import NamedTensors, is_bias
 from bayeswrap.core.fused import dropout_sample, uniform_like
 from bayeswrap.methods.base import BayesianModel, check_float, check_int, register_method
@@ -51,7 +52,7 @@ class MCDropout(BayesianModel):
     """
 
     bias_options = BIAS_OPTIONS
-    tuning = ("p_drop", (0.05, 0.1, 0.2, 0.3))  # the dropout rate sets the posterior spread
+    tuning = ("p_drop", (0.02, 0.05, 0.1, 0.2, 0.3))  # the dropout rate sets the posterior spread
     in_default_comparison = True
 
     def __init__(self, model, *, p_drop: float = 0.1, num_train_samples: int = 1, fused: bool = True, **kwargs):
@@ -88,7 +89,7 @@ class MCDropout(BayesianModel):
         return self._masked()
 
     def _sample_and_regularizer(self):
-        if not self.fused:
+        if not self.fused or not fused.available():
             return super()._sample_and_regularizer()
         names = self.theta.keys()
         dropped = [n for n in names if self.drop_prob[n] > 0.0]

@@ -6,7 +6,8 @@ on the MAP objective. After a burn-in, every ``thinning``-th iterate is *kept*:
 * it goes into the shared, memory-bounded :class:`~bayeswrap.core.samples.SampleStore`
   (at most ``max_samples`` draws, thinned by two when full, so they stay evenly
   spaced over the whole chain);
-* it is folded into a running mean and variance (Welford's algorithm).
+* it is folded into a running mean and variance (Welford's algorithm,
+  :func:`~bayeswrap.core.samples.welford_update_`, shared with SWAG).
 
 The default posterior predictive (``predictive="ensemble"``) averages the model
 over the stored iterates, p(y|x, D) ≈ (1/S) Σ_s p(y|x, θ_s), which keeps every
@@ -38,8 +39,8 @@ import torch
 
 from bayeswrap import optim as bw_optim
 from bayeswrap.core.functional import NamedTensors
-from bayeswrap.core.samples import SampleStore
-from bayeswrap.core.schedules import cycle_length, cyclical_step_size, exploration_steps
+from bayeswrap.core.samples import SampleStore, welford_update_, welford_variance
+from bayeswrap.core.schedules import cycle_length, cyclical_step_size, exploration_steps, restore_param_groups
 from bayeswrap.methods.base import NotFittedError, check_float, check_int, register_method
 from bayeswrap.methods.map import MAP
 
@@ -116,6 +117,7 @@ class SGLD(MAP):
     tuning = ("noise_scale", (0.1, 0.3, 1.0))  # the temperature T = noise_scale² of the sampled posterior
     recommended = {"lr": 0.2}  # no momentum; chosen on digits' validation NLL
     in_default_comparison = True
+    loss_free_state = ("sample_store.", "moment_mean.", "moment_m2.")
 
     def __init__(self, model, *, burn_in: int | str = "auto", thinning: int = 10, predictive: str = "ensemble",
                  max_samples: int = 100, sample_dtype: torch.dtype | str | None = None,
@@ -211,7 +213,8 @@ class SGLD(MAP):
         """Whether the iterate after 1-based optimizer step ``step`` is kept."""
         return self._kept_upto(step) > self._kept_upto(step - 1)
 
-    def before_fit(self, num_steps: int | None, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def before_fit(self, num_steps: int | None, optimizer: torch.optim.Optimizer | None = None,
+                   steps_per_epoch: int | None = None) -> None:
         """Resolves ``burn_in="auto"`` and, with ``cycles``, takes over the optimizer's step size and noise.
 
         The plan covers K = (steps already taken by this model) + ``num_steps``
@@ -225,6 +228,7 @@ class SGLD(MAP):
         Args:
             num_steps: optimizer steps of this fit, or ``None`` if unknown.
             optimizer: the :class:`bayeswrap.optim.SGLD` optimizer of the fit.
+            steps_per_epoch: unused (the schedule is in optimizer steps).
 
         Raises:
             ValueError: if the optimizer's ``num_data`` differs from the model's;
@@ -301,10 +305,8 @@ class SGLD(MAP):
                                "optimizer), which bayeswrap.fit calls; call it before a hand-written loop")
         if self._keeps(step):
             self.num_kept += 1
-            theta, mean, m2 = self.theta.values(), self.moment_mean.values(), self.moment_m2.values()
-            delta = torch._foreach_sub(theta, mean)
-            torch._foreach_add_(mean, torch._foreach_div(delta, float(self.num_kept)))
-            torch._foreach_addcmul_(m2, delta, torch._foreach_sub(theta, mean))
+            welford_update_(self.moment_mean.values(), self.moment_m2.values(), self.theta.values(),
+                            int(self.num_kept))
             if self.sample_store is not None:
                 self.sample_store.offer(self.theta.as_dict())
         if self._optimizer is not None:
@@ -314,11 +316,7 @@ class SGLD(MAP):
         """Gives the optimizer back its base step sizes and noise scales (after a cyclical fit)."""
         super().after_fit(train_loader)
         if self._optimizer is not None:
-            for group in self._optimizer.param_groups:
-                if _BASE_LR in group:
-                    group["lr"] = group.pop(_BASE_LR)
-                if _BASE_NOISE in group:
-                    group["noise_scale"] = group.pop(_BASE_NOISE)
+            restore_param_groups(self._optimizer, {_BASE_LR: "lr", _BASE_NOISE: "noise_scale"})
             self._optimizer = None
 
     # ------------------------------------------------------------------ posterior
@@ -350,8 +348,7 @@ class SGLD(MAP):
             NotFittedError: if no iterate has been kept yet.
         """
         self._check_ready()
-        n = float(self.num_kept)
-        return {k: (v / n).sqrt() for k, v in self.moment_m2.items()}
+        return {k: v.sqrt_() for k, v in welford_variance(self.moment_m2.as_dict(), int(self.num_kept)).items()}
 
     def _compute_placement(self) -> tuple[torch.device, torch.dtype]:
         first = self.theta.values()[0]

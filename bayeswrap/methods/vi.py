@@ -50,6 +50,7 @@ import math
 
 import torch
 
+from bayeswrap.core import fused
 from bayeswrap.core.functional import NamedTensors
 from bayeswrap.core.fused import mean_field_sample, standard_normal_like
 from bayeswrap.core.layers import lrt_names, lrt_theta
@@ -100,7 +101,7 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
         log_std_scale: κ = sqrt(c num_data / (2 kl_weight)), fixed at construction.
     """
 
-    tuning = ("kl_weight", (0.001, 0.01, 0.1, 1.0))  # the tempering of the KL term (BayesDLL's kld)
+    tuning = ("kl_weight", (1e-4, 1e-3, 1e-2, 0.1, 1.0))  # the tempering of the KL term (BayesDLL's kld)
     in_default_comparison = True
 
     def __init__(self, model, *, init_std: float = 1e-3, num_train_samples: int = 1, fused: bool = True,
@@ -155,7 +156,7 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
         return {n: m + std[n] * e for n, m, e in zip(self.mean.keys(), means, eps)}
 
     def _sample_and_regularizer(self):
-        if not self.fused or self.local_reparam:
+        if not self.fused or self.local_reparam or not fused.available():
             return super()._sample_and_regularizer()
         names = self.mean.keys()
         prior_idx = [i for i, n in enumerate(names) if self.prior.applies_to(n)]

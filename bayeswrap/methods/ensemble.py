@@ -1,0 +1,463 @@
+"""Ensembles of any method: deep ensembles, MultiSWAG, and mixtures of VI, Laplace, SGLD, ... members.
+
+An :class:`Ensemble` holds M complete Bayesian models of one registered method
+(the *members*), each built from its own copy of the wrapped model:
+
+* **Initialisation.** Member m re-initialises the modules chosen by ``reinit``
+  with each module's own ``reset_parameters()`` under the seed ``init_seed + m``.
+  ``reinit="all"`` (the default) is the from-scratch deep ensemble of
+  Lakshminarayanan et al. 2017 ("Simple and Scalable Predictive Uncertainty
+  Estimation using Deep Ensembles", NeurIPS, §2.4). For a pretrained model, pass
+  the new head's module names (e.g. ``reinit=["fc"]``; the command line does this
+  for pretrained backbones): the body starts from the pretrained weights in every
+  member and only the head differs, the usual recipe for fine-tuned ensembles.
+  With ``prior_mean="init"`` each member's prior is centred at its own initial
+  weights (the pretrained body is the prior mean of every member).
+* **Training.** ``bw.fit`` trains all members at once. The loss is the *sum* of
+  the members' losses (each member's gradient is exactly the one it would get
+  alone), so every element-wise optimizer (SGD with momentum, AdamW, SGLD)
+  steps each member as if it were trained on its own. Gradient clipping by
+  global norm (``grad_clip_norm``) acts on all members together. Every member
+  sees the same minibatch at each step; members differ in their initialisation
+  and in their method's own randomness (VI's draws, SGLD's noise), which Fort et
+  al. 2019 ("Deep Ensembles: A Loss Landscape Perspective") found to be the
+  dominant source of ensemble diversity. The reported ``nll`` is the mean over
+  members.
+* **One process, vmapped.** With ``parallel="auto"`` the members' losses run as
+  one ``torch.func.vmap`` over stacked parameters and buffers (as
+  ``torch.func.stack_module_state`` stacks them), so an epoch of five small
+  members costs far less than five epochs. Where a member's forward cannot be
+  vmapped (an op without a batching rule, a data-dependent branch), the members
+  run one after another, with one warning saying so.
+* **Predictive.** The mixture over members and each member's posterior
+  (Wilson & Izmailov 2020, "Bayesian Deep Learning and a Probabilistic
+  Perspective of Generalization", eq. 3 and MultiSWAG §4): S total draws are split
+  evenly, member m getting ⌊S/M⌋ or ⌈S/M⌉ of them (the first S mod M members one
+  more), so p(y|x) = (1/S) Σ_m S_m p̂_m(y|x) with p̂_m the member's own predictive
+  from S_m draws. A point-estimate member (MAP) is evaluated once and weighted by
+  S_m. ``num_samples=0`` averages the members' posterior means equally.
+
+``member="map"`` is a deep ensemble; ``member="swag"`` is MultiSWAG (also
+registered as ``"multiswag"``).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import warnings
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+from bayeswrap.core.batches import check_inputs_finite
+from bayeswrap.core.checks import check_int
+from bayeswrap.core.functional import NamedTensors
+from bayeswrap.core.likelihoods import at_least_float32
+from bayeswrap.methods.base import (
+    COMMON_OPTIONS,
+    METHODS,
+    BayesianModel,
+    LossOutput,
+    method_option_defaults,
+    register_method,
+)
+from bayeswrap.methods.map import MAP
+
+#: accepted values of ``parallel``
+PARALLEL = ("auto", "vmap", "sequential")
+#: keys of a member's state that the wrapped model's forward may update in place (BatchNorm statistics)
+_MUTABLE_PREFIX = "model_buffers."
+
+
+class _MemberOutputs(nn.Module):
+    """``forward(x)`` = a member's training outputs (num_train_samples, B, ·) and regulariser, for ``functional_call``."""
+
+    def __init__(self, member: BayesianModel):
+        super().__init__()
+        self.member = member
+
+    def forward(self, x):
+        outs, kl = self.member._train_outputs(x)
+        return torch.stack(outs), kl
+
+
+@register_method("ensemble")
+class Ensemble(BayesianModel):
+    """M members of one method, trained together and predicting as a mixture (see the module docstring).
+
+    Takes the arguments of :class:`~bayeswrap.BayesianModel` (passed on to every
+    member) plus:
+
+    Args:
+        num_members: M, the number of members (integer ≥ 1; default 5, the usual deep-ensemble size).
+        member: the registered method of the members (default ``"map"``: a deep
+            ensemble; ``"swag"``: MultiSWAG). Not ``"ensemble"`` itself, nor a
+            full-batch sampler (``"mh"``, ``"hmc"``), which ``bw.fit`` does not train.
+        member_kwargs: the member method's own options, e.g. ``{"p_drop": 0.1}``
+            for ``member="mc_dropout"`` (``None``: its defaults).
+        reinit: which modules start from a fresh initialisation in each member:
+            ``"all"`` (every module with ``reset_parameters``), ``"none"`` (every
+            member starts from the model's weights), or a list of glob patterns
+            over module names (e.g. ``["fc"]`` or ``["head.*"]`` for a pretrained
+            body with a new head).
+        init_seed: member m initialises under ``torch.manual_seed(init_seed + m)`` (integer ≥ 0), or
+            ``None`` (default): ``init_seed`` is drawn from torch's global generator, so
+            ``torch.manual_seed`` (the command line's ``--seed``) reproduces the members.
+        parallel: ``"auto"`` (vmap over members, falling back to one member at a
+            time with a warning), ``"vmap"`` (vmap or an error) or ``"sequential"``.
+
+    Attributes:
+        members: the M member models (an ``nn.ModuleList`` of the member method's class).
+
+    Raises:
+        ValueError: for ``num_members`` < 1, an unknown or unsupported ``member``,
+            options the member method does not accept, a ``reinit`` that is not
+            ``"all"``, ``"none"`` or a list of patterns (or patterns that match no
+            module with ``reset_parameters``), or an unknown ``parallel``.
+
+    Example:
+        >>> bnn = bw.wrap(model, "ensemble", num_data=len(train_set), num_members=5)   # deep ensemble
+        >>> bw.fit(bnn, train_loader, epochs=20, optimizer=torch.optim.SGD(bnn.param_groups(), lr=0.1, momentum=0.9))
+        >>> probs = bnn.predict(x, num_samples=5)                                       # one draw per member
+    """
+
+    tuning = MAP.tuning
+    in_default_comparison = True
+    default_member = "map"
+
+    def __init__(self, model, *, num_members: int = 5, member: str | None = None, member_kwargs: dict | None = None,
+                 reinit: str | list[str] = "all", init_seed: int | None = None, parallel: str = "auto", **kwargs):
+        member = self.default_member if member is None else member
+        self.num_members = check_int("num_members", num_members, minimum=1, note="ensemble members")
+        accepted = tuple(m for m, cls in METHODS.items() if not issubclass(cls, Ensemble) and m not in ("mh", "hmc"))
+        if member not in accepted:
+            raise ValueError(f"member={member!r} is not accepted; accepted: {accepted} (full-batch samplers run "
+                             "their own chains; ensembles of ensembles are not supported)")
+        self.member = member
+        self.member_kwargs = dict(member_kwargs or {})
+        from_signature = method_option_defaults(member)
+        unknown = sorted(k for k in self.member_kwargs if k not in from_signature)
+        if unknown:
+            raise ValueError(f"member_kwargs {unknown} are not options of method {member!r}; accepted: "
+                             f"{sorted(from_signature)} (the common options, e.g. prior_std, are given to the "
+                             "ensemble itself and passed on to every member)")
+        if isinstance(reinit, str):
+            if reinit not in ("all", "none"):
+                raise ValueError(f"reinit={reinit!r} is not accepted; accepted: 'all', 'none', or a list of glob "
+                                 "patterns over module names (e.g. ['fc'])")
+        elif not (isinstance(reinit, (list, tuple)) and reinit and all(isinstance(p, str) for p in reinit)):
+            raise ValueError(f"reinit={reinit!r} is not accepted; accepted: 'all', 'none', or a non-empty list of "
+                             "glob patterns over module names (e.g. ['fc'])")
+        self.reinit = reinit if isinstance(reinit, str) else list(reinit)
+        if init_seed is None:
+            init_seed = int(torch.randint(0, 2**31, ()))
+        self.init_seed = check_int("init_seed", init_seed, minimum=0, note="member m initialises with init_seed + m")
+        if parallel not in PARALLEL:
+            raise ValueError(f"parallel={parallel!r} is not accepted; accepted: {PARALLEL}")
+        self.parallel = parallel
+        self._build = (model, {k: kwargs[k] for k in COMMON_OPTIONS if k in kwargs})
+        member_cls = METHODS[member]
+        self.required_optimizer = member_cls.required_optimizer
+        self.select_best_epoch = member_cls.select_best_epoch
+        self.bias_options = member_cls.bias_options
+        self._vmap_state = "untried" if parallel != "sequential" else "off"
+        super().__init__(model, **kwargs)
+
+    # ------------------------------------------------------------------ members
+    def _init_posterior(self, init):
+        model, common = self._build
+        self._build = None  # no reference to the user's model is kept
+        members = []
+        for m in range(self.num_members):
+            net = copy.deepcopy(model)
+            _reinitialise(net, self.reinit, self.init_seed + m)
+            members.append(METHODS[self.member](net, **common, **self.member_kwargs))
+            del net
+        self.members = nn.ModuleList(members)
+        # the members own every trainable tensor: the ensemble keeps no point estimates or frozen copies of its own
+        self.point = NamedTensors({}, trainable=True)
+        self.frozen = NamedTensors({}, trainable=False)
+        self.model_buffers = NamedTensors({}, trainable=False)
+        if self.num_members > 1 and self.reinit == "none" and type(members[0]) is MAP:
+            warnings.warn("reinit='none' with MAP members: every member starts from the same weights and sees the "
+                          "same batches, so all members stay identical; use reinit='all' or a list of head modules",
+                          RuntimeWarning, stacklevel=4)
+
+    def _prior_bias(self, bias: str) -> str:
+        return METHODS[self.member]._prior_bias(self, bias)
+
+    def _train_sample(self):
+        raise NotImplementedError("an ensemble has no single training sample; its loss is the members' (see loss)")
+
+    def regularizer(self) -> torch.Tensor:
+        """Σ_m of the members' KL or −log prior terms, in nats."""
+        return sum(member.regularizer() for member in self.members)
+
+    def not_trained_by_fit(self) -> str | None:
+        return self.members[0].not_trained_by_fit()
+
+    def is_ready(self) -> bool:
+        return all(member.is_ready() for member in self.members)
+
+    def _not_ready_message(self) -> str:
+        waiting = [i for i, member in enumerate(self.members) if not member.is_ready()]
+        return (f"ensemble members {waiting} have no posterior yet: "
+                f"{self.members[waiting[0]]._not_ready_message()}")
+
+    def before_fit(self, num_steps, optimizer=None, steps_per_epoch=None) -> None:
+        for member in self.members:
+            member.before_fit(num_steps, optimizer, steps_per_epoch)
+
+    def after_step(self) -> None:
+        for member in self.members:
+            member.after_step()
+
+    def after_fit(self, train_loader) -> None:
+        for member in self.members:
+            member.after_fit(train_loader)
+
+    def train(self, mode: bool = True):
+        nn.Module.train(self, mode)  # every member sets its own structure's mode
+        return self
+
+    def param_groups(self, head=(), lr_head=None) -> list[dict]:
+        """The members' optimizer groups (see :meth:`BayesianModel.param_groups`), merged by group name."""
+        merged: dict[str, dict] = {}
+        for member in self.members:
+            for group in member.param_groups(head, lr_head):
+                target = merged.setdefault(group["name"], {**group, "params": []})
+                target["params"].extend(group["params"])
+        return list(merged.values())
+
+    # ------------------------------------------------------------------ training
+    def loss(self, x, y) -> LossOutput:
+        """Σ_m of the members' losses on the same batch (vmapped over members where possible).
+
+        Returns:
+            A :class:`LossOutput`: ``loss`` the sum over members (so each member
+            gets its own gradient), ``nll`` the mean of the members' NLLs, ``kl``
+            the sum of their regularisers, ``logits`` the log of the members'
+            mean softmax (categorical) or their mean output (regression), (B, K) or (B, D).
+
+        Raises:
+            ValueError: as :meth:`BayesianModel.loss`; with ``parallel="vmap"``,
+                also when the members cannot be vmapped.
+        """
+        if self._vmap_state != "off":
+            try:
+                outs, kls = self._vmapped_outputs(x)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as err:
+                if self._vmap_state == "on" and self.parallel != "vmap":
+                    raise
+                if self.parallel == "vmap":
+                    raise ValueError(f"parallel='vmap': the members cannot be evaluated under torch.func.vmap "
+                                     f"({type(err).__name__}: {err}); accepted: parallel='auto' or "
+                                     "'sequential'") from err
+                out = self._sequential_loss(x, y)  # the members' own error, if the input is bad
+                self._vmap_state = "off"
+                warnings.warn(f"the {self.num_members} {self.member!r} members cannot be trained under "
+                              f"torch.func.vmap ({type(err).__name__}: {str(err)[:200]}); they are trained one "
+                              "after another from now on", RuntimeWarning, stacklevel=2)
+                return out
+            self._vmap_state = "on"
+            return self._loss_output_members(outs, kls, y)
+        return self._sequential_loss(x, y)
+
+    def _sequential_loss(self, x, y) -> LossOutput:
+        outs = [member.loss(x, y) for member in self.members]
+        return LossOutput(sum(o.loss for o in outs), sum(o.nll for o in outs) / len(outs),
+                          sum(o.kl for o in outs), self._combine(torch.stack([o.logits for o in outs])))
+
+    def _vmapped_outputs(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every member's training outputs (M, num_train_samples, B, ·) and regularisers (M,), in one vmap."""
+        template = _MemberOutputs(self.members[0])
+        skip = tuple(self.members[0].loss_free_state)
+        states = [{n: t for n, t in [*member.named_parameters(), *member.named_buffers()] if not n.startswith(skip)}
+                  for member in self.members]
+        stacked = {f"member.{name}": torch.stack([state[name] for state in states]) for name in states[0]}
+        out = vmap(lambda state: functional_call(template, state, (x,)), randomness="different")(stacked)
+        if self.training:  # BatchNorm statistics updated under vmap go back to their members
+            with torch.no_grad():
+                for name in states[0]:
+                    if name.startswith(_MUTABLE_PREFIX):
+                        for m, state in enumerate(states):
+                            state[name].copy_(stacked[f"member.{name}"][m])
+        return out
+
+    def _loss_output_members(self, outs: torch.Tensor, kls: torch.Tensor, y) -> LossOutput:
+        """:meth:`BayesianModel.loss` of every member at once from (M, S_train, B, ·) outputs, summed over members.
+
+        The likelihood runs once on the flattened outputs (cheaper than under vmap).
+        """
+        first = self.members[0]
+        first.likelihood.check_targets(outs[0, 0], y)
+        count = outs.shape[0] * outs.shape[1]
+        targets = y.expand(count, *y.shape).reshape(-1, *y.shape[1:])
+        nll = first.likelihood.nll(outs.reshape(-1, *outs.shape[3:]), targets, reduction="none")
+        nlls = nll.reshape(outs.shape[0], -1).mean(1)  # each member's mean over its S_train samples and the batch
+        losses = nlls + (first.kl_weight / first.num_data) * kls
+        return LossOutput(losses.sum(), nlls.mean(), kls.sum(), self._combine(outs[:, -1]))
+
+    def _combine(self, logits: torch.Tensor) -> torch.Tensor:
+        """(M, B, ·) member outputs → one (B, ·) output: log mean softmax (categorical) or the mean."""
+        if self.likelihood.name == "categorical":
+            return at_least_float32(logits).log_softmax(-1).logsumexp(0) - torch.log(
+                torch.tensor(float(logits.shape[0]), device=logits.device))
+        return logits.mean(0)
+
+    # ------------------------------------------------------------------ posterior
+    def draws_per_member(self, num_samples: int) -> list[int]:
+        """S split over the M members: ⌊S/M⌋ each, the first S mod M members one more.
+
+        Raises:
+            ValueError: if ``num_samples`` is not an integer >= 1.
+        """
+        num_samples = check_int("num_samples", num_samples, minimum=1)
+        base, extra = divmod(num_samples, self.num_members)
+        return [base + (m < extra) for m in range(self.num_members)]
+
+    def posterior_mean(self):
+        """The mixture's mean, (1/M) Σ_m E_m[θ], ``{name: tensor}``."""
+        means = [member.posterior_mean() for member in self.members]
+        return {n: torch.stack([m[n] for m in means]).mean(0) for n in means[0]}
+
+    def posterior_std(self):
+        """The mixture's marginal std, sqrt((1/M) Σ_m (std_m² + mean_m²) − mean²), ``{name: tensor}``."""
+        means = [member.posterior_mean() for member in self.members]
+        stds = [member.posterior_std() for member in self.members]
+        out = {}
+        for n in means[0]:
+            mu = torch.stack([m[n] for m in means])
+            second = (torch.stack([s[n] for s in stds]).pow(2) + mu.pow(2)).mean(0)
+            out[n] = (second - mu.mean(0).pow(2)).clamp_min(0).sqrt()
+        return out
+
+    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """S draws from the mixture, member m contributing :meth:`draws_per_member` of them, ``{name: (S, *shape)}``.
+
+        Raises:
+            ValueError: if ``num_samples`` is not an integer >= 1.
+            NotFittedError: if a member has no posterior yet.
+        """
+        self._check_ready()
+        parts = [member.sample(s, generator) for member, s in zip(self.members, self.draws_per_member(num_samples))
+                 if s]
+        return {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+
+    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
+        outs = [member.sample_logits(x, s, generator) for member, s in
+                zip(self.members, self.draws_per_member(num_samples)) if s]
+        return torch.cat(outs)
+
+    def forward_with(self, theta, x):
+        raise NotImplementedError("an ensemble has one set of weights per member: use "
+                                  "bnn.members[m].forward_with(theta, x), or bnn.predict / bnn.sample_logits")
+
+    def _point_estimate(self):
+        raise NotImplementedError("an ensemble has no single point estimate; see predict(x, num_samples=0)")
+
+    def _mean_outputs(self, x) -> torch.Tensor:
+        """Each member's outputs at its posterior mean, (M, B, ·)."""
+        return torch.cat([member._mean_outputs(x) for member in self.members])
+
+    def _point_predictive(self, x):
+        """The equal-weight mixture of the members' training-state predictives (validation before collection)."""
+        preds = [member._point_predictive(x) for member in self.members]
+        if self.likelihood.name == "categorical":
+            return torch.stack(preds).mean(0)
+        mean = torch.stack([p[0] for p in preds]).mean(0)
+        second = torch.stack([p[1] + p[0].pow(2) for p in preds]).mean(0)
+        return mean, (second - mean.pow(2)).clamp_min(0)
+
+    def _deterministic_mean(self):
+        raise ValueError("an ensemble has no single set of deterministic weights; deploy a member "
+                         "(bnn.members[m]) instead")
+
+    @torch.no_grad()
+    def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None, model: str = "full"):
+        """The mixture predictive (1/S) Σ_m S_m p̂_m(y|x) (see the module docstring).
+
+        Args:
+            x: model input with batch size B.
+            num_samples: S, total draws over all members (split by :meth:`draws_per_member`);
+                ``0`` averages the members' posterior-mean predictions equally.
+            generator: optional ``torch.Generator``.
+            model: ``"full"`` only.
+
+        Returns:
+            Categorical: probabilities (B, K), rows summing to 1. Gaussian:
+            ``(mean, variance)``, each (B, D), the mixture's moments.
+
+        Raises:
+            ValueError: as :meth:`BayesianModel.predict`.
+            NotFittedError: if a member has no posterior yet.
+        """
+        num_samples = check_int("num_samples", num_samples, minimum=0)
+        self._check_predictive_model(model)
+        self._check_ready()
+        check_inputs_finite(x)
+        if num_samples == 0:
+            counts = [1] * self.num_members
+        else:
+            counts = self.draws_per_member(num_samples)
+        total = float(sum(counts))
+        preds, weights = [], []
+        for member, s in zip(self.members, counts):
+            if s == 0:
+                continue
+            draws = 0 if (num_samples == 0 or type(member) is MAP) else s
+            preds.append(member.predict(x, num_samples=draws, generator=generator))
+            weights.append(s / total)
+        if self.likelihood.name == "categorical":
+            return sum(w * p for w, p in zip(weights, preds))
+        mean = sum(w * p[0] for w, p in zip(weights, preds))
+        second = sum(w * (p[1] + p[0].pow(2)) for w, p in zip(weights, preds))
+        return mean, (second - mean.pow(2)).clamp_min(0)
+
+    # ------------------------------------------------------------------ checkpoints
+    def get_extra_state(self):
+        return {**super().get_extra_state(), "member": self.member, "num_members": self.num_members}
+
+    def set_extra_state(self, state):
+        super().set_extra_state(state)
+        theirs = (state.get("member"), state.get("num_members"))
+        if theirs != (self.member, self.num_members):
+            raise ValueError(f"checkpoint is an ensemble of {theirs[1]} {theirs[0]!r} members, but this model has "
+                             f"{self.num_members} {self.member!r} members")
+
+
+@register_method("multiswag")
+class MultiSWAG(Ensemble):
+    """MultiSWAG (Wilson & Izmailov 2020, §4): an :class:`Ensemble` whose members are SWAG models.
+
+    Exactly ``bw.wrap(model, "ensemble", member="swag", ...)``; registered under its
+    own name so that comparisons list it. Takes the arguments of :class:`Ensemble`.
+    """
+
+    default_member = "swag"
+    recommended = METHODS["swag"].recommended  # SWAG's recipe (SGD with momentum) for every member
+
+
+def _reinitialise(net: nn.Module, reinit: str | list[str], seed: int) -> None:
+    """Calls ``reset_parameters()`` (and BatchNorm's ``reset_running_stats``) of the chosen modules under ``seed``.
+
+    Raises:
+        ValueError: if the patterns match no module that has ``reset_parameters``.
+    """
+    if reinit == "none":
+        return
+    resettable = [(n, mod) for n, mod in net.named_modules() if callable(getattr(mod, "reset_parameters", None))]
+    chosen = resettable if reinit == "all" else [(n, mod) for n, mod in resettable
+                                                   if any(fnmatch.fnmatchcase(n, p) for p in reinit)]
+    if not chosen:
+        raise ValueError(f"reinit={reinit!r} matches no module with reset_parameters(); accepted: 'all', 'none', or "
+                         f"patterns over these module names: {[n for n, _ in resettable][-8:]}")
+    devices = sorted({t.device for t in net.parameters() if t.device.type != "cpu"}, key=str)
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        for _, mod in chosen:
+            mod.reset_parameters()

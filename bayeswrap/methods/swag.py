@@ -1,0 +1,560 @@
+"""SWAG: a Gaussian fitted to the SGD trajectory (Maddox et al. 2019, "A Simple Baseline for Bayesian
+Uncertainty in Deep Learning", NeurIPS; Algorithm 1 and §3–4).
+
+Training is plain MAP training (the NLL plus the Gaussian prior's L2 pull, see
+:class:`~bayeswrap.MAP`) with any optimizer. After ``swa_start`` optimizer steps,
+every ``collect_every``-th iterate θ_i is *collected* (Algorithm 1):
+
+* it is folded into running first and second moments (Welford's algorithm,
+  :func:`~bayeswrap.core.samples.welford_update_`, shared with SGLD):
+  θ_SWA = θ̄ = (1/n) Σ_i θ_i and Σ_diag = diag((1/n) Σ_i θ_i² − θ̄²) (§3.2; the
+  population variance, as the paper's θ̄² − θ̄²);
+* with ``covariance="lowrank"`` its deviation D_i = θ_i − θ̄_i from the running
+  mean *after* the update (the paper's "θ_i − θ̄_i") is appended to the
+  deviation matrix D̂, a ring buffer of the last K = ``max_rank`` deviations
+  (:class:`~bayeswrap.core.samples.RingStore`, §3.3).
+
+The approximate posterior is N(θ_SWA, Σ) with (§3.4)
+
+    Σ = scale · (Σ_diag + D̂ D̂ᵀ / (K − 1)),
+
+sampled without forming Σ as
+
+    θ̃ = θ_SWA + √scale · (Σ_diag^½ z₁ + D̂ z₂ / √(K − 1)),   z₁ ~ N(0, I_d), z₂ ~ N(0, I_K).
+
+At the default ``scale=0.5`` this is exactly the paper's §3.4 sampling equation
+θ̃ = θ_SWA + (1/√2) Σ_diag^½ z₁ + (1/√(2(K − 1))) D̂ z₂, i.e. Σ = ½ (Σ_diag + D̂D̂ᵀ/(K − 1)):
+the paper's ½ *is* its scale 0.5 (the authors' code, ``SWAG.sample(scale)``, draws
+``mean + √scale · (var_sample + cov_sample)`` and the paper's experiments use 0.5).
+K is the number of deviations held (``min(n, max_rank)``). With fewer than two
+deviations, or ``covariance="diagonal"`` (SWAG-Diag, §3.2), only the diagonal part
+is used: Σ = scale · Σ_diag.
+
+**BatchNorm** (§4, the paper's ``bn_update``): the running statistics of a network
+with BatchNorm layers belong to the weights they were computed with. For every
+sampled θ̃ (and for θ_SWA, ``predict(num_samples=0)``) they are recomputed from
+scratch by a train-mode pass over the first ``bn_update_batches`` batches of the
+training loader: a cumulative average over batches, as torch's ``momentum=None``
+(and ``torch.optim.swa_utils.update_bn``) computes it. The pass is a functional
+call with a fresh copy of the buffers: neither the wrapped model nor the stored
+statistics are written. The loader is the one :func:`bayeswrap.fit` passes to
+:meth:`SWAG.after_fit`; it is not saved in checkpoints, so a BatchNorm model
+loaded from one needs :meth:`SWAG.set_bn_update_loader` before it predicts (it
+raises :class:`~bayeswrap.NotFittedError` otherwise, never silently using the
+statistics of the last training iterate).
+
+**Learning rate** (§4; Izmailov et al. 2018): with ``swa_lr`` the model drives the
+optimizer's learning rate per step like cyclical SGLD does: a cosine from each
+parameter group's ``lr`` down to ``swa_lr`` over the first ``swa_start`` steps,
+then ``swa_lr`` constant while collecting. Without it (the default) the
+optimizer's own learning rate (and any schedule the caller runs) is left alone:
+SWAG then collects under a constant learning rate, which is the regime the
+paper's analysis assumes (§3, SGD with a constant step size as approximate
+posterior sampling).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from bayeswrap.core.batches import batch_pair
+from bayeswrap.core.checks import check_float, check_int, check_scale
+from bayeswrap.core.functional import NamedTensors, call
+from bayeswrap.core.samples import RingStore, welford_update_, welford_variance
+from bayeswrap.core.schedules import restore_param_groups
+from bayeswrap.methods.base import NotFittedError, register_method
+from bayeswrap.methods.map import MAP
+
+#: fraction of the fit's optimizer steps before the first collection when ``swa_start="auto"``
+SWA_START_FRACTION = 0.5
+#: accepted values of ``covariance``
+COVARIANCES = ("lowrank", "diagonal")
+# key this model adds to the optimizer's param groups while it drives the learning rate (swa_lr)
+_BASE_LR = "swag_base_lr"
+
+
+@register_method("swag")
+class SWAG(MAP):
+    """SWA-Gaussian over the Bayesian parameters; train it with any optimizer (SGD + momentum in the paper).
+
+    Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
+
+    Args:
+        swa_start: optimizer steps before collecting starts: ``"auto"`` (default) =
+            ⌊:data:`SWA_START_FRACTION` · T⌋, the first half of the T steps that
+            :func:`bayeswrap.fit` will have run in total (steps this model has already
+            taken, e.g. before a resume, plus the fit's; fixed when the fit starts); a
+            float in (0, 1), that fraction of T; or an integer ≥ 0 (steps). A string
+            spelling a number (as the command line passes it) is read as that number.
+            The paper starts at roughly half of training (161 of 300 epochs on CIFAR).
+        collect_every: optimizer steps between collections: ``"epoch"`` (default; once
+            per epoch, the paper's, resolved from the ``steps_per_epoch`` that
+            :func:`bayeswrap.fit` passes to :meth:`before_fit`) or an integer ≥ 1.
+        max_rank: K, the most deviations held in the low-rank part D̂ (integer ≥ 2;
+            the paper's default 20). Memory: K copies of the Bayesian parameters.
+        scale: multiplies the sampled covariance, Σ = scale · (Σ_diag + D̂D̂ᵀ/(K − 1));
+            a number in [0, 1e18] (0 samples θ_SWA itself). The default 0.5 is the
+            paper's covariance Σ_diag/2 + D̂D̂ᵀ/(2(K − 1)). May be changed after training.
+        covariance: ``"lowrank"`` (SWAG: diagonal plus low rank) or ``"diagonal"``
+            (SWAG-Diag: no deviation matrix is kept).
+        swa_lr: ``None`` (default: the optimizer's learning rate is not touched), or a
+            number > 0: the model then sets each step's learning rate, a cosine from each
+            parameter group's lr to ``swa_lr`` until ``swa_start``, then ``swa_lr``.
+        bn_update_batches: training batches per sample over which the BatchNorm running
+            statistics are recomputed (integer ≥ 0; default 10; 0 = off, predictions use
+            the statistics of the last training iterate). Ignored for networks without
+            BatchNorm. May be changed after training.
+
+    Attributes:
+        theta: the current SGD iterate (trainable).
+        moment_mean, moment_m2: Welford accumulators of the collected iterates (θ_SWA and n · Σ_diag).
+        deviations: the :class:`~bayeswrap.core.samples.RingStore` of the last K deviations
+            (``None`` with ``covariance="diagonal"``).
+        num_steps, num_collected: step and collection counters (0-d int64 buffers).
+
+    Raises:
+        ValueError: on an invalid option; the message names the value and lists the accepted ones.
+
+    Example:
+        >>> bnn = bw.wrap(model, "swag", num_data=len(train_set), collect_every=len(train_loader))
+        >>> opt = torch.optim.SGD(bnn.param_groups(), lr=0.05, momentum=0.9)
+        >>> bw.fit(bnn, train_loader, epochs=40, optimizer=opt)
+        >>> probs = bnn.predict(x, num_samples=30)
+    """
+
+    #: MAP's knob and grid: the prior (the weight decay 1/(N σ²) of the SGD that SWAG follows) changes the
+    #: trajectory; the posterior's width is set by the SGD noise
+    tuning = MAP.tuning
+    #: the paper's recipe, SGD with momentum (these are also the command line's defaults); swa_lr unset: constant lr
+    recommended = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9}
+    select_best_epoch = False  # the posterior is the moments of the whole collection phase, not one epoch's state
+    in_default_comparison = True
+    loss_free_state = ("deviations.", "moment_mean.", "moment_m2.")
+
+    def __init__(self, model, *, swa_start: int | float | str = "auto", collect_every: int | str = "epoch", max_rank: int = 20,
+                 scale: float = 0.5, covariance: str = "lowrank", swa_lr: float | None = None,
+                 bn_update_batches: int = 10, **kwargs):
+        self.swa_start = _check_swa_start(swa_start)
+        if isinstance(collect_every, str) and collect_every.strip() != "epoch":  # e.g. "5" from the command line
+            try:
+                collect_every = int(collect_every)
+            except ValueError:
+                raise ValueError(f"collect_every={collect_every!r} is not accepted; accepted: 'epoch' or an integer "
+                                 ">= 1 (optimizer steps)") from None
+        self.collect_every = "epoch" if isinstance(collect_every, str) else check_int(
+            "collect_every", collect_every, minimum=1, note="optimizer steps, or 'epoch'")
+        self._steps_per_epoch: int | None = None  # resolves collect_every="epoch" (before_fit)
+        self.max_rank = check_int("max_rank", max_rank, minimum=2, note="deviations kept, K")
+        self.scale = scale
+        if covariance not in COVARIANCES:
+            raise ValueError(f"covariance={covariance!r} is not accepted; accepted: {COVARIANCES}")
+        self.covariance = covariance
+        self.swa_lr = check_float("swa_lr", swa_lr, low=0.0, low_open=True, allow_none=True,
+                                  note="None: the optimizer's learning rate is left alone")
+        self.bn_update_batches = bn_update_batches
+        self._auto_swa_start: int | None = None  # swa_start "auto" or a fraction, resolved by before_fit
+        self._optimizer: torch.optim.Optimizer | None = None  # driven by the swa_lr schedule during a fit
+        self._bn_loader = None  # training batches for the BatchNorm update (after_fit); never serialised
+        self._fitting = False  # between before_fit and after_fit
+        super().__init__(model, **kwargs)
+        self._bn_layers = [name for name, m in self.model.named_modules()
+                           if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+
+    # ------------------------------------------------------------------ settable options
+    @property
+    def scale(self) -> float:
+        """The covariance scale (settable), see the class docstring."""
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._scale = check_scale("scale", value, allow_zero=True)
+
+    @property
+    def bn_update_batches(self) -> int:
+        """Training batches per sample of the BatchNorm update (settable; 0 = off)."""
+        return self._bn_update_batches
+
+    @bn_update_batches.setter
+    def bn_update_batches(self, value: int) -> None:
+        self._bn_update_batches = check_int("bn_update_batches", value, minimum=0, note="0: no BatchNorm update")
+
+    def _init_posterior(self, init):
+        super()._init_posterior(init)
+        zeros = {n: torch.zeros_like(t) for n, t in init.items()}
+        self.moment_mean = NamedTensors(zeros, trainable=False)
+        self.moment_m2 = NamedTensors(zeros, trainable=False)
+        self.register_buffer("num_steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("num_collected", torch.zeros((), dtype=torch.long))
+        self.deviations = RingStore(init, self.max_rank) if self.covariance == "lowrank" else None
+
+    # ------------------------------------------------------------------ schedule
+    def swa_start_steps(self) -> int:
+        """``swa_start`` in optimizer steps (an integer itself, or what ``"auto"``/a fraction resolved to).
+
+        Raises:
+            RuntimeError: for ``"auto"`` or a fraction before :meth:`before_fit` has run
+                (a hand-written training loop: pass an integer, or call ``before_fit`` first).
+        """
+        if isinstance(self.swa_start, int):
+            return self.swa_start
+        if self._auto_swa_start is None:
+            raise RuntimeError(f"swa_start={self.swa_start!r} is resolved when bayeswrap.fit starts "
+                               "(before_fit(num_steps)); with a hand-written training loop pass swa_start as an "
+                               "integer number of steps, or call bnn.before_fit(num_steps, optimizer) first")
+        return self._auto_swa_start
+
+    def collect_every_steps(self) -> int:
+        """``collect_every`` in optimizer steps (``"epoch"``: the steps per epoch of the fit).
+
+        Raises:
+            RuntimeError: for ``"epoch"`` before :meth:`before_fit` has learnt the epoch length.
+        """
+        if self.collect_every != "epoch":
+            return self.collect_every
+        if self._steps_per_epoch is None:
+            raise RuntimeError("collect_every='epoch' is resolved when bayeswrap.fit starts (before_fit(num_steps, "
+                               "optimizer, steps_per_epoch)); with a hand-written training loop pass collect_every "
+                               "as an integer number of steps, or call before_fit with steps_per_epoch first")
+        return self._steps_per_epoch
+
+    def _collected_upto(self, step: int) -> int:
+        """How many of the steps 1..``step`` collect the iterate: the multiples of ``collect_every`` after ``swa_start``.
+
+        Collections fall on multiples of the interval (with ``"epoch"``: at the end of an epoch, as the paper's
+        once-per-epoch collection), counting only those after the first ``swa_start`` steps.
+        """
+        every = self.collect_every_steps()
+        return max(0, step // every - self.swa_start_steps() // every)
+
+    def before_fit(self, num_steps: int | None, optimizer: torch.optim.Optimizer | None = None,
+                   steps_per_epoch: int | None = None) -> None:
+        """Resolves ``swa_start`` and, with ``swa_lr``, takes over the optimizer's learning rate.
+
+        The plan covers T = (steps already taken by this model) + ``num_steps`` steps,
+        so a fit resumed from a checkpoint (its ``num_steps`` counter restored)
+        collects exactly as the uninterrupted fit. With ``swa_lr`` each parameter
+        group's base learning rate is recorded in the group (key ``swag_base_lr``, so
+        it survives ``optimizer.state_dict()`` and a resume) and restored by
+        :meth:`after_fit`; an epoch LR scheduler's changes are overwritten.
+
+        Args:
+            num_steps: optimizer steps of this fit, or ``None`` if unknown.
+            optimizer: the optimizer of the fit.
+            steps_per_epoch: batches per epoch (resolves ``collect_every="epoch"``), or ``None`` if unknown.
+
+        Raises:
+            ValueError: if ``swa_start`` is ``"auto"`` or a fraction and ``num_steps``
+                is ``None``; if ``collect_every="epoch"`` and ``steps_per_epoch`` is ``None``; if ``swa_lr`` is set without an optimizer; if ``"auto"`` or
+                a fraction would collect nothing in this fit (an integer ``swa_start``
+                that collects nothing only warns: the fit may be a first stage).
+        """
+        taken = int(self.num_steps)
+        total = None if num_steps is None else taken + int(num_steps)
+        if self.collect_every == "epoch":
+            if steps_per_epoch is None:
+                raise ValueError("collect_every='epoch' needs the number of batches per epoch, but the train loader "
+                                 "has no len(); pass collect_every as an integer number of optimizer steps")
+            self._steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+        if not isinstance(self.swa_start, int):
+            if total is None:
+                raise ValueError(f"swa_start={self.swa_start!r} is a fraction of the fit's optimizer steps, but the "
+                                 "train loader has no len(); pass swa_start as an integer number of steps")
+            fraction = SWA_START_FRACTION if self.swa_start == "auto" else self.swa_start
+            self._auto_swa_start = math.floor(fraction * total)
+        if self.swa_lr is not None and optimizer is None:
+            raise ValueError(f"swa_lr={self.swa_lr}: the model sets the optimizer's learning rate per step, so "
+                             "before_fit needs the optimizer")
+        if total is not None and int(self.num_collected) == 0 and self._collected_upto(total) == 0:
+            message = (f"SWAG would collect no iterate: the fit runs optimizer steps {taken + 1}..{total} with "
+                       f"swa_start={self.swa_start!r} (= {self.swa_start_steps()} steps) and collect_every="
+                       f"{self.collect_every}; train longer, or lower swa_start or collect_every")
+            if isinstance(self.swa_start, int):
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+            else:
+                raise ValueError(message)
+        self._fitting = True
+        if self.swa_lr is not None:  # only now, so that an error above leaves the optimizer untouched
+            self._optimizer = optimizer
+            for group in optimizer.param_groups:
+                group.setdefault(_BASE_LR, group["lr"])
+            self._set_lr(taken + 1)
+
+    def _set_lr(self, step: int) -> None:
+        """Each group's learning rate for 1-based ``step``: cosine to ``swa_lr`` until ``swa_start``, then ``swa_lr``."""
+        start = self.swa_start_steps()
+        for group in self._optimizer.param_groups:
+            if step > start:
+                group["lr"] = self.swa_lr
+            else:
+                base = group[_BASE_LR]
+                group["lr"] = self.swa_lr + (base - self.swa_lr) * 0.5 * (1.0 + math.cos(math.pi * (step - 1) / start))
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Counts the step; collects the iterate on the collection grid (Algorithm 1); sets the next learning rate.
+
+        Raises:
+            RuntimeError: for ``swa_start="auto"`` or a fraction when :meth:`before_fit` has not run.
+        """
+        self.swa_start_steps()  # raises before anything changes if swa_start is unresolved
+        self.num_steps += 1
+        step = int(self.num_steps)
+        if self._collected_upto(step) > self._collected_upto(step - 1):
+            self.num_collected += 1
+            deviation = welford_update_(self.moment_mean.values(), self.moment_m2.values(), self.theta.values(),
+                                        int(self.num_collected))
+            if self.deviations is not None:
+                self.deviations.append(deviation)
+        if self._optimizer is not None:
+            self._set_lr(step + 1)
+
+    def after_fit(self, train_loader) -> None:
+        """Keeps ``train_loader`` for the BatchNorm update and gives the optimizer back its learning rates."""
+        super().after_fit(train_loader)
+        if self._optimizer is not None:
+            restore_param_groups(self._optimizer, {_BASE_LR: "lr"})
+            self._optimizer = None
+        self._fitting = False
+        self._bn_loader = train_loader
+
+    def set_bn_update_loader(self, loader) -> None:
+        """Sets the training batches of the BatchNorm update (needed after loading a checkpoint).
+
+        Args:
+            loader: an iterable of ``(inputs, targets)`` pairs from the training data (e.g.
+                the training ``DataLoader``); its first ``bn_update_batches`` batches are
+                used for each sample. Not saved in ``state_dict()``.
+
+        Raises:
+            ValueError: if ``loader`` is not iterable.
+        """
+        if loader is None or not hasattr(loader, "__iter__"):
+            raise ValueError(f"loader={loader!r} is not accepted; accepted: an iterable of (inputs, targets) "
+                             "training batches, e.g. a torch DataLoader")
+        self._bn_loader = loader
+
+    # ------------------------------------------------------------------ posterior
+    def is_ready(self) -> bool:
+        return int(self.num_collected) > 0
+
+    def _not_ready_message(self):
+        start = repr(self.swa_start) + (f" (= {self._auto_swa_start} steps)" if self._auto_swa_start is not None
+                                        and not isinstance(self.swa_start, int) else "")
+        return (f"no SWAG iterate has been collected yet ({int(self.num_steps)} steps taken, swa_start={start}, "
+                f"collect_every={self.collect_every}); train for more steps or lower swa_start")
+
+    def _point_estimate(self):
+        return self.theta.as_dict()
+
+    def rank(self) -> int:
+        """K: the number of deviations the sampled covariance uses (0 with fewer than 2, or SWAG-Diag)."""
+        held = 0 if self.deviations is None else len(self.deviations)
+        return held if held >= 2 else 0
+
+    def posterior_mean(self):
+        """θ_SWA, the running mean of the collected iterates, ``{name: tensor}``.
+
+        Raises:
+            NotFittedError: if no iterate has been collected yet.
+        """
+        self._check_ready()
+        return self.moment_mean.as_dict()
+
+    def diagonal_variance(self) -> dict[str, torch.Tensor]:
+        """Σ_diag, the population variance of the collected iterates (before ``scale``), ``{name: tensor}``.
+
+        Raises:
+            NotFittedError: if no iterate has been collected yet.
+        """
+        self._check_ready()
+        return welford_variance(self.moment_m2.as_dict(), int(self.num_collected))
+
+    def posterior_std(self):
+        """Marginal stds of the sampled covariance, sqrt(scale · (Σ_diag + Σ_k D̂_k² / (K − 1))), ``{name: tensor}``.
+
+        Raises:
+            NotFittedError: if no iterate has been collected yet.
+        """
+        var = self.diagonal_variance()
+        k = self.rank()
+        if k:
+            for n, d in self.deviations.stored().items():
+                var[n] = var[n] + d.square().sum(0) / (k - 1)
+        return {n: (v * self.scale).sqrt_() for n, v in var.items()}
+
+    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """θ̃_s = θ_SWA + √scale · (Σ_diag^½ z₁ + D̂ z₂ / √(K − 1)), s = 1..S (§3.4; see the module docstring).
+
+        z₂ ~ N(0, I_K) is drawn first, shape (S, K) and shared by all parameters; then
+        z₁ ~ N(0, I) per parameter in name order, all from ``generator`` (or the
+        global RNG), on the parameters' device and dtype.
+
+        Args:
+            num_samples: S ≥ 1.
+            generator: optional ``torch.Generator`` for reproducible draws.
+
+        Returns:
+            ``{name: tensor of shape (S, *param_shape)}``.
+
+        Raises:
+            ValueError: if ``num_samples`` is not an integer >= 1.
+            NotFittedError: if no iterate has been collected yet.
+        """
+        num_samples = check_int("num_samples", num_samples, minimum=1)
+        mean, var = self.posterior_mean(), self.diagonal_variance()
+        ref = next(iter(mean.values()))
+        root, k = math.sqrt(self.scale), self.rank()
+        z2 = torch.randn((num_samples, k), generator=generator, device=ref.device, dtype=ref.dtype) if k else None
+        stored = self.deviations.stored() if k else {}
+        out = {}
+        for n, m in mean.items():
+            z1 = torch.randn((num_samples, *m.shape), generator=generator, device=m.device, dtype=m.dtype)
+            noise = z1.mul_(var[n].sqrt())
+            if k:
+                noise.add_((z2 @ stored[n].reshape(k, -1)).reshape(noise.shape), alpha=1.0 / math.sqrt(k - 1))
+            out[n] = noise.mul_(root).add_(m)
+        return out
+
+    # ------------------------------------------------------------------ BatchNorm update
+    @property
+    def bn_layers(self) -> list[str]:
+        """Names of the BatchNorm modules (with running statistics) of the wrapped network."""
+        return list(self._bn_layers)
+
+    def _bn_update_active(self) -> bool:
+        return bool(self._bn_layers) and self.bn_update_batches > 0 and not self._fitting
+
+    @torch.no_grad()
+    def bn_statistics(self, theta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's buffers with every BatchNorm's running statistics recomputed for parameters ``theta``.
+
+        The statistics are reset (mean 0, variance 1, count 0) and re-estimated by a
+        train-mode functional forward over the first ``bn_update_batches`` batches of
+        the BatchNorm update loader, with ``momentum=None`` (cumulative average over
+        batches, each batch weighted equally: torch's ``update_bn``; the paper's
+        ``bn_update`` weights by batch size, the same for equal batches). Other
+        buffers are copied as they are; nothing stored is changed.
+
+        Args:
+            theta: ``{name: tensor}`` for every Bayesian parameter (e.g. one sample).
+
+        Returns:
+            ``{buffer name: tensor}`` for every buffer of the wrapped model.
+
+        Raises:
+            NotFittedError: if no loader is known (a model loaded from a checkpoint: call
+                :meth:`set_bn_update_loader`).
+            ValueError: if the loader yields no batch, or a batch that is not an (inputs, targets) pair.
+        """
+        loader = self._bn_update_loader()
+        buffers = {n: b.clone() for n, b in self.model_buffers.items()}
+        modules = [self.model.get_submodule(name) for name in self._bn_layers]
+        for name in self._bn_layers:
+            prefix = f"{name}." if name else ""
+            buffers[prefix + "running_mean"].zero_()
+            buffers[prefix + "running_var"].fill_(1.0)
+            if prefix + "num_batches_tracked" in buffers:
+                buffers[prefix + "num_batches_tracked"].zero_()
+        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
+        device = next(iter(theta.values())).device
+        momenta, was_training = [m.momentum for m in modules], self.model.training
+        seen = 0
+        try:
+            for m in modules:  # the storage-free copy is this model's own: the wrapped model is never touched
+                m.momentum = None
+            self.model.train()
+            for batch in loader:
+                if seen >= self.bn_update_batches:
+                    break
+                x, _ = batch_pair(batch, f"the BatchNorm update loader (batch {seen})")
+                x = tuple(_to(t, device) for t in x) if isinstance(x, (tuple, list)) else _to(x, device)
+                call(self.model, tensors, buffers, x)
+                seen += 1
+        finally:
+            for m, momentum in zip(modules, momenta):
+                m.momentum = momentum
+            self.model.train(was_training)
+        if seen == 0:
+            raise ValueError("the BatchNorm update loader yielded no batches; accepted: training batches "
+                             "(bnn.set_bn_update_loader(train_loader))")
+        return buffers
+
+    def _bn_update_loader(self):
+        if self._bn_loader is None:
+            raise NotFittedError(
+                f"this SWAG model's network has BatchNorm layers ({self._bn_layers[:3]}), whose running statistics "
+                "are recomputed for each sampled θ from training batches (Maddox et al. 2019, §4), but no training "
+                "loader is known (the model was loaded from a checkpoint, or trained without bayeswrap.fit's "
+                "after_fit); call bnn.set_bn_update_loader(train_loader) first, or set bnn.bn_update_batches = 0 "
+                "to predict with the statistics of the last training iterate")
+        return self._bn_loader
+
+    def _forward_bn(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
+        """Outputs under ``theta`` with BatchNorm statistics recomputed for it."""
+        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
+        return call(self.model, tensors, self.bn_statistics(theta), x)
+
+    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None, sample=None) -> torch.Tensor:
+        """Model outputs under S samples, (S, B, ...); with BatchNorm each sample uses its own recomputed statistics.
+
+        Without BatchNorm (or ``bn_update_batches=0``, or while a fit runs) this is the
+        base class's chunked ``vmap``; with it the samples are drawn ``chunk_size`` at
+        a time and evaluated one after another (each needs its own BatchNorm pass).
+        """
+        if not self._bn_update_active():
+            return super()._sample_logits(x, num_samples, generator, sample)
+        self._bn_update_loader()  # the error before any draw
+        sample = sample or self.sample
+        outs = []
+        for start in range(0, num_samples, self.chunk_size):
+            thetas = sample(min(self.chunk_size, num_samples - start), generator=generator)
+            count = next(iter(thetas.values())).shape[0]
+            outs.extend(self._forward_bn({n: t[i] for n, t in thetas.items()}, x) for i in range(count))
+        self.likelihood.check_outputs(outs[0])
+        return torch.stack(outs)
+
+    def _mean_outputs(self, x) -> torch.Tensor:
+        """Outputs at θ_SWA, (1, B, ·); with BatchNorm (``bn_update_batches`` > 0, outside a fit) under its own
+        recomputed statistics (the paper's ``bn_update`` for the SWA solution).
+
+        Raises:
+            NotFittedError: if the network has BatchNorm and no update loader is known
+                (call :meth:`set_bn_update_loader`).
+        """
+        if not self._bn_update_active():
+            return super()._mean_outputs(x)
+        return self._forward_bn(self.posterior_mean(), x).unsqueeze(0)
+
+
+def _to(t, device):
+    return t.to(device) if isinstance(t, torch.Tensor) else t
+
+
+def _check_swa_start(value):
+    """``"auto"``, a fraction in (0, 1) or an integer ≥ 0 (a string spelling one is read as it)."""
+    accepted = (f"accepted: 'auto' (the first {SWA_START_FRACTION:.0%} of the fit's optimizer steps), a float in "
+                "(0, 1) (that fraction of the fit's steps) or an integer >= 0 (optimizer steps)")
+    given = value
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "auto":
+            return "auto"
+        try:
+            value = int(text)
+        except ValueError:
+            try:
+                value = float(text)
+            except ValueError:
+                raise ValueError(f"swa_start={given!r} is not accepted; {accepted}") from None
+    if isinstance(value, float) and 0.0 < value < 1.0:
+        return float(value)
+    try:
+        return check_int("swa_start", value, minimum=0)
+    except ValueError:
+        raise ValueError(f"swa_start={given!r} is not accepted; {accepted}") from None
