@@ -24,8 +24,12 @@ def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
     rows = list(csv.DictReader(open(base / "comparison.csv")))
     assert [(r["method"], r["num_samples"]) for r in rows] == [
         (m, s) for m in DEFAULT_COMPARISON for s in ("0", "3")]
+    cost = {r["method"]: float(r["cost"]) for r in rows}  # training time as a multiple of MAP's
+    seconds = {m: sum(h["seconds"] for h in json.loads((base / m / "metrics.json").read_text())["history"])
+               for m in cost}
+    assert cost == pytest.approx({m: seconds[m] / seconds["map"] for m in cost}, rel=1e-3)
     assert (base / "comparison.md").read_text().startswith(
-        "| method | tuned | num_samples | error | ece | nll | ece_Topt | nll_Topt | temperature | shift_error | shift_ece | "
+        "| method | tuned | cost | num_samples | error | ece | nll | ece_Topt | nll_Topt | temperature | shift_error | shift_ece | "
         "shift_nll | shift_ece_Topt | shift_nll_Topt | ood_auroc_entropy | ood_auroc_mi |")
     for name in ("reliability.png", "shift.png", "risk_coverage.png", "gamma.png"):
         assert (base / name).stat().st_size > 10_000, name

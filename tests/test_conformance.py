@@ -1,4 +1,4 @@
-"""Conformance harness (issue 20, item 4): every registered method through the same checks.
+"""Conformance harness: every registered method through the same checks.
 
 Every test is parametrised over ``bw.METHODS`` when the module is collected, so a
 newly registered method class gets all of them. How a method is trained is read

@@ -576,11 +576,12 @@ def compare_methods() -> tuple[str, ...]:
     """The methods ``bayeswrap compare`` runs by default: those whose class sets ``in_default_comparison``."""
     return tuple(m for m, cls in METHODS.items() if cls.in_default_comparison)
 
-COMPARE_COLUMNS = ("method", "tuned", "num_samples", "error", "ece", "nll", "ece_Topt", "nll_Topt", "temperature",
+COMPARE_COLUMNS = ("method", "tuned", "cost", "num_samples", "error", "ece", "nll", "ece_Topt", "nll_Topt", "temperature",
                    "shift_error", "shift_ece", "shift_nll", "shift_ece_Topt", "shift_nll_Topt",
                    "ood_auroc_entropy", "ood_auroc_mi")
 """Columns of comparison.md/.csv: the options chosen by tuning (``prior_std=0.3, kl_weight=0.01``; empty
-with ``--no-tune``); in distribution at T = 1 and at the fitted T; the mean over every
+with ``--no-tune``); the final run's training time as a multiple of MAP's in the same comparison (empty
+without MAP; tuning runs not counted); in distribution at T = 1 and at the fitted T; the mean over every
 non-zero shift intensity (rotation and noise) at T = 1 and at the in-distribution T; OOD AUROC of
 held-out classes scored by predictive entropy and by mutual information (empty for S < 2)."""
 
@@ -588,12 +589,14 @@ held-out classes scored by predictive entropy and by mutual information (empty f
 def comparison_rows(results: dict[str, dict]) -> list[dict]:
     """One row per (method, S) from each run's final reports (BayesDLL Table 2 layout, plus shift and OOD)."""
     rows = []
+    seconds = {m: sum(h.get("seconds", 0.0) for h in r.get("history", [])) for m, r in results.items()}
     for method, metrics in results.items():
+        cost = seconds[method] / seconds["map"] if seconds.get("map") else None
         for s, rep in metrics["final"].items():
             topt = rep.get("Topt") or {}
             shift = (rep.get("shift") or {}).get("summary", {})
             ood = rep.get("ood") or {}
-            rows.append({"method": method, "tuned": tuned_text(metrics), "num_samples": int(s), "error": rep["T1"]["error"],
+            rows.append({"method": method, "tuned": tuned_text(metrics), "cost": cost, "num_samples": int(s), "error": rep["T1"]["error"],
                          "ece": rep["T1"]["ece"], "nll": rep["T1"]["nll"],
                          "ece_Topt": topt.get("ece"), "nll_Topt": topt.get("nll"),
                          "temperature": rep.get("temperature"),

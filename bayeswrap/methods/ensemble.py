@@ -163,6 +163,7 @@ class Ensemble(BayesianModel):
         self.select_best_epoch = member_cls.select_best_epoch
         self.bias_options = member_cls.bias_options
         self._vmap_state = "untried" if parallel != "sequential" else "off"
+        self._state_cache = self._stacked_buffers = None  # the vmapped loss's view of the members' state
         super().__init__(model, **kwargs)
 
     # ------------------------------------------------------------------ members
@@ -273,20 +274,52 @@ class Ensemble(BayesianModel):
                           sum(o.kl for o in outs), self._combine(torch.stack([o.logits for o in outs])))
 
     def _vmapped_outputs(self, x) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every member's training outputs (M, num_train_samples, B, ·) and regularisers (M,), in one vmap."""
-        template = _MemberOutputs(self.members[0])
-        skip = tuple(self.members[0].loss_free_state)
-        states = [{n: t for n, t in [*member.named_parameters(), *member.named_buffers()] if not n.startswith(skip)}
-                  for member in self.members]
-        stacked = {f"member.{name}": torch.stack([state[name] for state in states]) for name in states[0]}
-        out = vmap(lambda state: functional_call(template, state, (x,)), randomness="different")(stacked)
-        if self.training:  # BatchNorm statistics updated under vmap go back to their members
+        """Every member's training outputs (M, num_train_samples, B, ·) and regularisers (M,), in one vmap.
+
+        The parameters are stacked at every call (differentiably: each member's gradient flows back to its own
+        tensors). Buffers are stacked once and reused while none of them changed (same tensors, same version
+        counters); BatchNorm statistics updated under vmap are copied back to their members.
+        """
+        params, buffers, _ = self._member_state()
+        stacked = {f"member.{n}": torch.stack(ts) for n, ts in params.items()}
+        key = tuple((id(t), t._version) for ts in buffers.values() for t in ts)
+        if self._stacked_buffers is None or self._stacked_buffers[0] != key:
+            self._stacked_buffers = (key, {f"member.{n}": torch.stack(ts) for n, ts in buffers.items()})
+        stacked_buffers = self._stacked_buffers[1]
+        template = self._state_cache[2]
+        out = vmap(lambda state: functional_call(template, state, (x,)), randomness="different")(
+            {**stacked, **stacked_buffers})
+        if self.training:
             with torch.no_grad():
-                for name in states[0]:
+                changed = False
+                for name, ts in buffers.items():
                     if name.startswith(_MUTABLE_PREFIX):
-                        for m, state in enumerate(states):
-                            state[name].copy_(stacked[f"member.{name}"][m])
+                        for m, t in enumerate(ts):
+                            t.copy_(stacked_buffers[f"member.{name}"][m])
+                            changed = True
+                if changed:  # the copies bumped the members' version counters: refresh the key
+                    self._stacked_buffers = (tuple((id(t), t._version) for ts in buffers.values() for t in ts),
+                                             stacked_buffers)
         return out
+
+    def _member_state(self):
+        """``({name: [tensor of each member]}, same for buffers, the functional template)`` of the state the
+        members' loss reads (cached; the template is kept out of the module tree).
+        """
+        if self._state_cache is None:
+            skip = tuple(self.members[0].loss_free_state)
+
+            def gather(named):
+                per = [{n: t for n, t in named(member) if not n.startswith(skip)} for member in self.members]
+                return {n: [p[n] for p in per] for n in per[0]}
+
+            self._state_cache = (gather(lambda m: m.named_parameters()), gather(lambda m: m.named_buffers()),
+                                 _MemberOutputs(self.members[0]))
+        return self._state_cache
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .double(), ...: buffers may be new tensors
+        self._state_cache = self._stacked_buffers = None
+        return super()._apply(fn, *args, **kwargs)
 
     def _loss_output_members(self, outs: torch.Tensor, kls: torch.Tensor, y) -> LossOutput:
         """:meth:`BayesianModel.loss` of every member at once from (M, S_train, B, ·) outputs, summed over members.
