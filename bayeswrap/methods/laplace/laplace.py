@@ -1,4 +1,12 @@
-"""Diagonal Laplace approximation with a linearised (GLM) predictive (BayesDLL §2.4).
+"""Laplace approximation with a linearised (GLM) predictive (BayesDLL §2.4; Daxberger et al. 2021).
+
+This docstring derives the diagonal posterior (``hessian_structure="diag"``,
+the default). The dense and Kronecker-factored posteriors
+(``hessian_structure="full"``/``"kron"``) and ``subset_of_weights="last_layer"``
+are derived in :mod:`bayeswrap.methods.laplace.structures`; they share the
+curvature options, the (N/n) scaling, the GLM predictive (with the functional
+variance diag(J P⁻¹ Jᵀ)) and the marginal likelihood below, with Σ_i log(1 + h_i/δ)
+taken over the eigenvalues h_i of the structured H.
 
 Training is MAP with the prior term. Afterwards :meth:`Laplace.fit_curvature`
 computes a diagonal curvature c_n for every training example and the diagonal
@@ -85,6 +93,17 @@ from bayeswrap.core.likelihoods import at_least_float32
 from bayeswrap.evaluation.tuning import select_by_val_nll
 from bayeswrap.methods.base import BayesianModel, NotFittedError, check_float, check_int, register_method
 from bayeswrap.methods.laplace.curvature import LayerCurvature, basis_vectors, ggn_vectors, nll_gradient_vectors
+from bayeswrap.methods.laplace.structures import (
+    HESSIAN_STRUCTURES,
+    SUBSETS_OF_WEIGHTS,
+    FullPosterior,
+    KronPosterior,
+    LinearCapture,
+    find_last_layer,
+    kron_layer,
+    last_layer_params,
+    network_jacobian,
+)
 from bayeswrap.methods.map import MAP
 from bayeswrap.predictive import evaluate, model_device
 
@@ -107,7 +126,7 @@ PRECISION_RANGE = (1e-36, 1e36)
 
 @register_method("laplace")
 class Laplace(MAP):
-    """Diagonal Laplace approximation around the MAP estimate, with a GLM predictive.
+    """Laplace approximation around the MAP estimate (diagonal, Kronecker-factored or full), with a GLM predictive.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
 
@@ -143,6 +162,22 @@ class Laplace(MAP):
             floating-point rounding; ``"layers"`` uses ``"vmap"`` by itself for
             models that couple the examples of a batch (BatchNorm without
             running statistics).
+        hessian_structure: the posterior precision's structure (laplace-torch's
+            name): ``"diag"`` (default), ``"kron"`` (KFAC per ``nn.Linear``
+            and ``nn.Conv2d``: weight G ⊗ A and bias G blocks, other
+            parameters diagonal) or ``"full"`` (dense, at most 20,000
+            Bayesian parameters). ``curvature`` chooses what is approximated
+            (GGN, Monte Carlo GGN or empirical Fisher) in every structure. See
+            :mod:`bayeswrap.methods.laplace.structures`.
+        subset_of_weights: ``"all"`` (default: the parameters ``params``
+            selects, all trainable ones unless given) or ``"last_layer"``: the
+            weight and bias of the classifier (timm's ``get_classifier()``,
+            torchvision's ``fc``, ``classifier``, ``head`` or ``heads.head``,
+            else the last ``nn.Linear``; see
+            :func:`bayeswrap.methods.laplace.structures.find_last_layer`); the rest of
+            the network is a point estimate, and the ``"full"``/``"kron"``
+            curvatures and GLM variances use the head's recorded input
+            features without differentiating the body.
 
     Attributes:
         theta: θ* (trained as MAP).
@@ -160,9 +195,19 @@ class Laplace(MAP):
 
     Raises:
         ValueError: on an unknown ``curvature``, ``pred_type``,
-            ``link_approx`` or ``curvature_backend`` (the message names the
-            value and lists the accepted ones), or a ``curvature_chunk_size`` / ``curvature_samples``
-            that is not an integer >= 1.
+            ``link_approx``, ``curvature_backend``, ``hessian_structure`` or
+            ``subset_of_weights`` (the message names the value and lists the
+            accepted ones), a ``curvature_chunk_size`` / ``curvature_samples``
+            that is not an integer >= 1, ``params`` together with
+            ``subset_of_weights="last_layer"``, a model without an
+            ``nn.Linear`` for ``"last_layer"``, ``hessian_structure="full"``
+            over more than ``MAX_FULL_PARAMS`` parameters, or ``"full"``/``"kron"``
+            with a flat bias prior (``bias="uninformative"``).
+
+    Warns:
+        RuntimeWarning: ``hessian_structure="kron"`` with Bayesian parameters
+            outside ``nn.Linear`` and ``nn.Conv2d`` layers (they keep a
+            diagonal curvature).
     """
 
     #: a checkpoint from before the log-likelihood was stored has it as NaN (see _load_from_state_dict)
@@ -173,9 +218,19 @@ class Laplace(MAP):
 
     def __init__(self, model, *, curvature: str = "ggn", curvature_chunk_size: int = 32,
                  curvature_samples: int = 1, pred_type: str = "glm", link_approx: str = "probit",
-                 curvature_backend: str = "layers", **kwargs):
+                 curvature_backend: str = "layers", hessian_structure: str = "diag",
+                 subset_of_weights: str = "all", **kwargs):
         if curvature not in CURVATURES:
             raise ValueError(f"curvature={curvature!r} is not known; accepted: {CURVATURES}")
+        self.hessian_structure = _check_choice("hessian_structure", hessian_structure, HESSIAN_STRUCTURES)
+        self.subset_of_weights = _check_choice("subset_of_weights", subset_of_weights, SUBSETS_OF_WEIGHTS)
+        self.last_layer_name: str | None = None
+        if subset_of_weights == "last_layer":
+            if kwargs.get("params") is not None:
+                raise ValueError("params=... and subset_of_weights='last_layer' both choose the Bayesian parameters; "
+                                 "accepted: one of them (subset_of_weights='all' with params=[...])")
+            self.last_layer_name = find_last_layer(model)
+            kwargs["params"] = last_layer_params(model, self.last_layer_name)
         self.curvature = curvature
         self.curvature_backend = _check_choice("curvature_backend", curvature_backend, CURVATURE_BACKENDS)
         self.curvature_chunk_size = check_int("curvature_chunk_size", curvature_chunk_size, minimum=1)
@@ -191,6 +246,35 @@ class Laplace(MAP):
         self.register_buffer("curvature_fitted", torch.zeros((), dtype=torch.bool))
         self.register_buffer("train_log_likelihood", torch.zeros((), dtype=torch.float64))
         self.register_buffer("_prior_precision", torch.tensor(1.0 / self.prior_std**2, dtype=torch.float64))
+        self._structure = None if self.hessian_structure == "diag" else self._make_structure(init)
+
+    def _make_structure(self, init):
+        """The :class:`FullPosterior` or :class:`KronPosterior` of ``hessian_structure`` (not yet fitted)."""
+        flat = [n for n in init if not self.prior.applies_to(n)]
+        if flat:
+            raise ValueError(f"hessian_structure={self.hessian_structure!r} needs a prior on every Bayesian "
+                             f"parameter, but {flat[:4]} have a flat one (bias='uninformative'); accepted: "
+                             "bias='informative', or hessian_structure='diag'")
+        ref = next(iter(init.values()))
+        shapes = {n: t.shape for n, t in init.items()}
+        if self.hessian_structure == "full":
+            return FullPosterior(shapes, ref.dtype, ref.device)
+        layers, covered = {}, set()
+        for name, module in self.model.named_modules():
+            if not kron_layer(module):
+                continue
+            prefix = f"{name}." if name else ""
+            w, b = prefix + "weight", prefix + "bias"
+            if w in init:
+                layers[name] = (w, b if b in init else None)
+                covered |= {w, b}
+        rest = [n for n in init if n not in covered]
+        if rest:
+            warnings.warn(f"hessian_structure='kron' covers the weight and bias of nn.Linear and nn.Conv2d layers "
+                          f"(groups=1, numeric zero padding); the Bayesian "
+                          f"parameters {rest[:6]}{' ...' if len(rest) > 6 else ''} keep a diagonal curvature",
+                          RuntimeWarning, stacklevel=4)
+        return KronPosterior(layers, rest, shapes, ref.dtype, ref.device)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Loads checkpoints saved before the curvature, δ and log-likelihood were stored.
@@ -213,6 +297,8 @@ class Laplace(MAP):
 
     # ------------------------------------------------------------------ posterior
     def is_ready(self) -> bool:
+        if self._structure is not None and not bool(self._structure.fitted):
+            return False
         return bool(self.curvature_fitted)
 
     def _not_ready_message(self):
@@ -251,9 +337,65 @@ class Laplace(MAP):
             raise NotFittedError(self._not_ready_message())
         return {n: v.sqrt() for n, v in self.posterior_var.items()}
 
-    def _update_posterior_var(self) -> bool:
-        """V = 1 / (δ·1[prior] + h); returns whether some parameter has zero precision (kept at v = 0)."""
+    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """Draws θ_s ~ N(θ*, P^{-1}) with the posterior's structure (diagonal, full or Kron).
+
+        Args:
+            num_samples: S ≥ 1.
+            generator: optional ``torch.Generator``.
+
+        Returns:
+            ``{name: tensor of shape (S, *param_shape)}``.
+
+        Raises:
+            ValueError: if ``num_samples`` is not an integer >= 1.
+            NotFittedError: before :meth:`fit_curvature`.
+        """
+        if self._structure is None:
+            return super().sample(num_samples, generator)
+        num_samples = check_int("num_samples", num_samples, minimum=1)
+        deltas = self._sample_deltas(num_samples, generator)
+        return {n: t.detach() + deltas[n] for n, t in self.theta.items()}
+
+    def posterior_precision(self) -> torch.Tensor:
+        """The dense posterior precision P = H + δ I over the flattened Bayesian parameters, (P, P), float64.
+
+        For ``"kron"`` the block-diagonal matrix the Kronecker factors define
+        (weights row-major, then biases, in parameter order); for ``"diag"``,
+        diag(h + δ). Meant for tests and small models.
+
+        Raises:
+            NotFittedError: before :meth:`fit_curvature`.
+        """
+        self._check_ready()
         delta = self.prior_precision
+        structure = self._structure
+        if structure is None:
+            h = torch.cat([self.curvature_diag[n].double().flatten() for n in self.curvature_diag])
+            return torch.diag(h + delta)
+        if isinstance(structure, FullPosterior):
+            return structure.precision(delta).double()
+        blocks = {}
+        for layer, (w, b) in structure.layers.items():
+            blocks[w] = torch.kron(structure.G[layer], structure.A[layer])
+            if b is not None:
+                blocks[b] = structure.G[layer]
+        for n in structure.diag_names:
+            blocks[n] = torch.diag(structure.h[n].flatten())
+        h = torch.block_diag(*[blocks[n].double() for n in self.theta.keys()])
+        return h + delta * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+
+    def _update_posterior_var(self) -> bool:
+        """V = 1 / (δ·1[prior] + h); returns whether some parameter has zero precision (kept at v = 0).
+
+        For ``hessian_structure`` ``"full"``/``"kron"``: the marginal variances diag(P^{-1}).
+        """
+        delta = self.prior_precision
+        if self._structure is not None:
+            with torch.no_grad():
+                for n, v in self._structure.marginal_variances(delta).items():
+                    self.posterior_var[n] = v.to(self.posterior_var[n].dtype)
+            return False
         degenerate = False
         with torch.no_grad():
             for n, h in self.curvature_diag.items():
@@ -369,7 +511,12 @@ class Laplace(MAP):
 
     @torch.no_grad()
     def fit_curvature(self, train_loader, generator: torch.Generator | None = None) -> "Laplace":
-        """Computes the diagonal curvature, the training log-likelihood and the posterior variances.
+        """Computes the curvature, the training log-likelihood and the posterior variances.
+
+        ``hessian_structure="diag"``: the diagonal h; ``"full"``/``"kron"``: the
+        dense H or the Kronecker factors (:mod:`bayeswrap.methods.laplace.structures`),
+        with ``curvature_diag`` set to diag(H) and ``posterior_var`` to the
+        marginal variances diag(P⁻¹).
 
         The model is evaluated in eval mode (BatchNorm uses its running
         statistics, dropout is off) so that per-example quantities are defined.
@@ -408,6 +555,11 @@ class Laplace(MAP):
         curv = {n: torch.zeros_like(t) for n, t in theta.items()}
         log_lik = torch.zeros((), dtype=torch.float64, device=device)
         seen = 0
+        structure = self._structure
+        diag_wanted = structure is None or bool(getattr(structure, "diag_names", ()))
+        if structure is not None:
+            structure.fitted.fill_(False)
+            structure.reset()
         try:
             for index, batch in enumerate(train_loader):
                 x, y = batch_pair(batch, f"fit_curvature's loader batch {index}")
@@ -418,6 +570,15 @@ class Laplace(MAP):
                 if not bool(torch.isfinite(batch_log_lik)):  # one sync per batch (check_targets syncs anyway)
                     self._raise_nonfinite_batch(index, x, y, theta)
                 log_lik += batch_log_lik
+                if structure is not None:
+                    sampled = None
+                    if self.curvature == "fisher":
+                        sampled = [self.likelihood.sample_targets(out, generator=generator)
+                                   for _ in range(self.curvature_samples)]
+                    self._accumulate_structure(x, y, theta, sampled)
+                    if not diag_wanted:
+                        seen += x.shape[0]
+                        continue
                 with torch.enable_grad():
                     if self.curvature == "ggn":
                         torch._foreach_add_(list(curv.values()), list(self.ggn_diagonal(x, theta).values()))
@@ -431,7 +592,8 @@ class Laplace(MAP):
             # data-parallel fits: every rank saw its own shard; the curvature, the log-likelihood and
             # the example count are sums over examples, so summing them over the ranks gives the full terms
             count = torch.tensor(float(seen), dtype=torch.float64, device=device)
-            all_reduce_sum_([*curv.values(), log_lik, count])
+            all_reduce_sum_([*curv.values(), log_lik, count,
+                             *([] if structure is None else [t for t in structure.buffers() if t.is_floating_point()])])
             seen = int(round(float(count)))
         finally:
             self.train(was_training)
@@ -443,6 +605,19 @@ class Laplace(MAP):
                                      "examples with finite inputs and log-likelihood (the squared gradients overflow; "
                                      "is θ* diverged?); the posterior was left unchanged")
         scale = self.num_data / seen
+        if structure is not None:
+            if isinstance(structure, FullPosterior):
+                structure.finish(scale)
+                diag = structure._split(torch.diagonal(structure.H))
+            else:
+                structure.finish(seen, scale, {n: scale * curv[n] for n in structure.diag_names})
+                diag = {**{w: torch.outer(torch.diagonal(structure.G[layer]),
+                                          torch.diagonal(structure.A[layer])).reshape(curv[w].shape)
+                           for layer, (w, _) in structure.layers.items()},
+                        **{b: torch.diagonal(structure.G[layer]) for layer, (_, b) in structure.layers.items()
+                           if b is not None}, **structure.h}
+            curv = {n: diag[n] / scale for n in curv}
+            structure.fitted.fill_(True)
         for n, c in curv.items():
             self.curvature_diag[n] = scale * c
         self.train_log_likelihood.fill_(float(scale * log_lik))
@@ -452,6 +627,78 @@ class Laplace(MAP):
                           "is set to 0 (they stay at the MAP value)", RuntimeWarning, stacklevel=3)
         self._warn_if_prior_dominated()
         return self
+
+    def _curvature_vectors(self, f: torch.Tensor, y, sampled) -> torch.Tensor:
+        """The output-space vectors v (M, B, *out) whose pullbacks' outer products sum to the curvature.
+
+        GGN: the K columns of a factor of Λ_n; Fisher: NLL gradients at the sampled labels, each weighted 1/S;
+        empirical Fisher: the NLL gradient at the observed label.
+        """
+        f = f.detach()
+        if self.curvature == "ggn":
+            vectors = ggn_vectors(self.likelihood)
+        elif self.curvature == "fisher":
+            vectors = nll_gradient_vectors(self.likelihood, sampled, 1.0 / len(sampled))
+        else:
+            vectors = nll_gradient_vectors(self.likelihood, [y])
+        return torch.cat(list(vectors(f, max(f[0].numel(), len(sampled or ())))), 0)
+
+    def _capture(self) -> LinearCapture:
+        """Records the inputs and outputs of the Kron layers (or of the last layer, whose body is not differentiated)."""
+        if self.last_layer_name is not None:
+            return LinearCapture({self.last_layer_name: self.model.get_submodule(self.last_layer_name)},
+                                 detach_input=True)
+        return LinearCapture({n: self.model.get_submodule(n) for n in self._structure.layers})
+
+    def _example_slices(self, x) -> list[slice]:
+        """Slices of ``curvature_chunk_size`` examples (bounds the (c, K, P) Jacobians of ``"full"`` over all)."""
+        c = self.curvature_chunk_size
+        return [slice(s, s + c) for s in range(0, x.shape[0], c)]
+
+    def _jacobian(self, x, theta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Outputs f (B, *out) and the per-example Jacobian J (B, K, P) by ``jacrev`` under ``vmap`` (``"full"``, all)."""
+        with torch.enable_grad():
+            jac = network_jacobian(self.forward_with, theta, x, max(1, self.curvature_chunk_size))
+        return self.forward_with(theta, x), jac
+
+    def _head_terms(self, x, theta, vectors=None):
+        """Last layer: f, the head's input features a (B, D), and vectors pulled back to the head's output.
+
+        ``vectors(f)`` gives the output-space vectors (M, B, *out); ``None``: the unit vectors (rows of J).
+        """
+        capture = self._capture()
+        f, seen = capture.run(lambda inp: self.forward_with(theta, inp), x)
+        k = f[0].numel()
+        if vectors is None:
+            v = torch.eye(k, dtype=f.dtype, device=f.device)[:, None].expand(-1, f.shape[0], -1).reshape(k, *f.shape)
+        else:
+            v = vectors(f)
+        d = capture.pullback(f, seen, v)[self.last_layer_name]
+        a = seen[self.last_layer_name][0]
+        if a.dim() != 2:
+            raise ValueError(f"subset_of_weights='last_layer' with hessian_structure='full' needs the last layer's "
+                             f"input to be (B, D) features, got shape {tuple(a.shape)}; accepted: "
+                             "hessian_structure='kron' or 'diag'")
+        return f.detach(), a, d
+
+    def _accumulate_structure(self, x, y, theta, sampled) -> None:
+        """Adds one batch to the full H or to the Kron factors."""
+        structure = self._structure
+        if isinstance(structure, FullPosterior) and self.last_layer_name is not None:
+            _, a, d = self._head_terms(x, theta, lambda f: self._curvature_vectors(f, y, sampled))
+            structure.add_features(a, d.to(structure.H.dtype), len(theta) == 2)
+            return
+        if isinstance(structure, FullPosterior):  # curvature_chunk_size examples' Jacobians (c, K, P) at a time
+            for sl in self._example_slices(x):
+                f, jac = self._jacobian(x[sl], theta)
+                ys = None if sampled is None else [t[sl] for t in sampled]
+                v = self._curvature_vectors(f, y[sl], ys).reshape(-1, f.shape[0], jac.shape[1])  # (M, c, K)
+                structure.add_rows(torch.einsum("mbk,bkp->mbp", v.to(jac.dtype), jac).reshape(-1, jac.shape[-1]))
+            return
+        capture = self._capture()
+        f, seen = capture.run(lambda inp: self.forward_with(theta, inp), x)
+        v = self._curvature_vectors(f, y, sampled)
+        structure.add(seen, capture.pullback(f, seen, v))
 
     def _raise_nonfinite_batch(self, index: int, x, y, theta) -> None:
         """Says why the log-likelihood of batch ``index`` is not finite: its inputs, its targets or θ*."""
@@ -555,6 +802,12 @@ class Laplace(MAP):
     def functional_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and marginal variances of the linearised function, f_lin(x) ~ N(f(x; θ*), J diag(v) Jᵀ).
 
+        For ``hessian_structure`` ``"full"``/``"kron"`` the covariance is
+        J P⁻¹ Jᵀ and its diagonal is computed as in
+        :mod:`bayeswrap.methods.laplace.structures` (full: J from the head's
+        features, or ``jacrev`` per ``curvature_chunk_size`` examples; Kron:
+        from the unit vectors backpropagated to each layer, without J).
+
         var_k(x) = Σ_i J_{k,i}(x)² v_i, the diagonal of the functional covariance
         (what the probit link of laplace-torch uses). ``curvature_backend="layers"``:
         the K unit vectors e_k are backpropagated through the batch
@@ -581,8 +834,46 @@ class Laplace(MAP):
 
     def _functional_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`functional_moments` on checked inputs."""
+        if self._structure is not None:
+            return self._structured_moments(x)
+        return self._diag_moments(x, self.posterior_var.as_dict())
+
+    def _structured_moments(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """f(x; θ*) and diag(J P^{-1} Jᵀ) for ``hessian_structure`` ``"full"`` or ``"kron"``."""
         theta = {n: t.detach() for n, t in self.theta.items()}
-        var = self.posterior_var.as_dict()
+        delta = self.prior_precision
+        structure = self._structure
+        with self._evaluating():
+            if isinstance(structure, FullPosterior) and self.last_layer_name is not None:
+                f, a, d = self._head_terms(x, theta)
+                var = structure.feature_variance(a.to(structure.H.dtype), d.to(structure.H.dtype), len(theta) == 2,
+                                                 delta)
+                return f, var.t().to(f.dtype).reshape(f.shape)
+            if isinstance(structure, FullPosterior):
+                fs, vs = [], []
+                for sl in self._example_slices(x):
+                    f, jac = self._jacobian(x[sl], theta)
+                    fs.append(f.detach())
+                    vs.append(structure.functional_variance(jac.to(structure.H.dtype), delta).to(f.dtype))
+                f = torch.cat(fs)
+                return f, torch.cat(vs).reshape(f.shape)
+            capture = self._capture()
+            f, seen = capture.run(lambda inp: self.forward_with(theta, inp), x)
+            k = f[0].numel()
+            basis = torch.eye(k, dtype=f.dtype, device=f.device)[:, None].expand(-1, f.shape[0], -1)
+            deltas = capture.pullback(f, seen, basis.reshape(k, *f.shape))
+            var = structure.functional_variance(seen, deltas, delta)
+            var = torch.zeros(k, f.shape[0], dtype=f.dtype, device=f.device) if var is None else var.t()
+            f = f.detach()
+            if structure.diag_names:  # the diagonal blocks: Σ_i J_{k,i}² v_i over those parameters only
+                masked = {n: (v if n in structure.diag_names else torch.zeros_like(v))
+                          for n, v in self.posterior_var.items()}
+                var = var + self._diag_moments(x, masked)[1].reshape(var.shape)
+            return f, var.to(f.dtype).reshape(f.shape)
+
+    def _diag_moments(self, x, var) -> tuple[torch.Tensor, torch.Tensor]:
+        """f(x; θ*) and Σ_i J_{k,i}² v_i for the diagonal variances ``var``."""
+        theta = {n: t.detach() for n, t in self.theta.items()}
         with self._evaluating():
             engine = self._layer_engine()
             if engine is not None:  # rows of J backpropagated through the batch, contracted per layer
@@ -606,6 +897,10 @@ class Laplace(MAP):
 
     def _sample_deltas(self, count: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
         """θ_s − θ* = sqrt(v) ε, drawn like :meth:`sample` draws (the same ε for the same generator)."""
+        if self._structure is not None:
+            self._check_ready()
+            deltas = self._structure.sample_deltas(count, generator, self.prior_precision)
+            return {n: d.to(self.theta[n].dtype) for n, d in deltas.items()}
         out = {}
         for n, std in self.posterior_std().items():
             eps = torch.randn((count, *std.shape), generator=generator, device=std.device, dtype=std.dtype)
@@ -755,7 +1050,10 @@ class Laplace(MAP):
         if not names:
             raise ValueError("no Bayesian parameter has a prior (bias='uninformative' leaves only flat priors), "
                              "so the marginal likelihood does not depend on the prior precision")
-        h = torch.cat([self.curvature_diag[n].detach().double().flatten() for n in names])
+        if self._structure is not None:  # the eigenvalues of H: log det(H + δI) = Σ log(λ_i + δ)
+            h = self._structure.eigenvalues()
+        else:
+            h = torch.cat([self.curvature_diag[n].detach().double().flatten() for n in names])
         sq = sum((self.theta[n].detach().double() - self.prior.mean[n].double()).square().sum() for n in names)
         return h, sq, self.train_log_likelihood.double()
 
