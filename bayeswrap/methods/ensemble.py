@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import math
 import warnings
 
 import torch
@@ -338,8 +339,7 @@ class Ensemble(BayesianModel):
     def _combine(self, logits: torch.Tensor) -> torch.Tensor:
         """(M, B, ·) member outputs → one (B, ·) output: log mean softmax (categorical) or the mean."""
         if self.likelihood.name == "categorical":
-            return at_least_float32(logits).log_softmax(-1).logsumexp(0) - torch.log(
-                torch.tensor(float(logits.shape[0]), device=logits.device))
+            return at_least_float32(logits).log_softmax(-1).logsumexp(0) - math.log(logits.shape[0])
         return logits.mean(0)
 
     # ------------------------------------------------------------------ posterior
@@ -400,10 +400,16 @@ class Ensemble(BayesianModel):
     def _point_predictive(self, x):
         """The equal-weight mixture of the members' training-state predictives (validation before collection)."""
         preds = [member._point_predictive(x) for member in self.members]
+        return self._mixture(preds, [1.0 / len(preds)] * len(preds))
+
+    def _mixture(self, preds: list, weights: list[float]):
+        """Σ_m w_m p_m of the members' predictives: probabilities (categorical), or the mixture's mean and variance
+        Σ w (v + μ²) − (Σ w μ)² of their ``(mean, variance)`` pairs (Gaussian).
+        """
         if self.likelihood.name == "categorical":
-            return torch.stack(preds).mean(0)
-        mean = torch.stack([p[0] for p in preds]).mean(0)
-        second = torch.stack([p[1] + p[0].pow(2) for p in preds]).mean(0)
+            return sum(w * p for w, p in zip(weights, preds))
+        mean = sum(w * p[0] for w, p in zip(weights, preds))
+        second = sum(w * (p[1] + p[0].pow(2)) for w, p in zip(weights, preds))
         return mean, (second - mean.pow(2)).clamp_min(0)
 
     def _deterministic_mean(self):
@@ -445,11 +451,7 @@ class Ensemble(BayesianModel):
             draws = 0 if (num_samples == 0 or type(member) is MAP) else s
             preds.append(member.predict(x, num_samples=draws, generator=generator))
             weights.append(s / total)
-        if self.likelihood.name == "categorical":
-            return sum(w * p for w, p in zip(weights, preds))
-        mean = sum(w * p[0] for w, p in zip(weights, preds))
-        second = sum(w * (p[1] + p[0].pow(2)) for w, p in zip(weights, preds))
-        return mean, (second - mean.pow(2)).clamp_min(0)
+        return self._mixture(preds, weights)
 
     # ------------------------------------------------------------------ checkpoints
     def get_extra_state(self):
