@@ -445,7 +445,11 @@ def test_wrap_rejects_laplace_options(kwargs, match):
      r"val_loader and grid are used only by method='val'"),
     (lambda b: setattr(b, "prior_precision", -1), r"prior_precision=-1 must be a number in \[1e-36, 1e\+36\]"),
     (lambda b: b.log_marginal_likelihood(0.0), r"prior_precision=0.0 must be a number in \[1e-36, 1e\+36\]"),
-    (lambda b: b.log_marginal_likelihood(torch.ones(2)), r"prior_precision must be a scalar"),
+    (lambda b: b.log_marginal_likelihood(torch.ones(17)),
+     r"prior_precision has 17 values; accepted: one number, or one per Bayesian parameter tensor"),
+    (lambda b: b.optimize_prior_precision("val", prior_structure="layerwise"),
+     r"prior_structure='layerwise' is not accepted with method='val'"),
+    (lambda b: b.optimize_prior_precision(prior_structure="diag"), r"prior_structure='diag' is not known"),
 ])
 def test_bad_calls_name_the_value(call, match):
     bnn = _tiny()

@@ -354,3 +354,100 @@ def test_full_over_all_weights_does_not_depend_on_the_chunk_size(iris):
     small, big = _ours(iris, "full", "all", curvature_chunk_size=7), _ours(iris, "full", "all")
     torch.testing.assert_close(small.posterior_precision(), big.posterior_precision(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(small.predict(iris["xv"]), big.predict(iris["xv"]), rtol=1e-12, atol=1e-14)
+
+
+# ---------------------------------------------------------------------- layerwise prior precision
+def _dense_log_marginal_likelihood(bnn, deltas):
+    """log p(D | θ*) − ½ [log det P − Σ_t n_t log δ_t + Σ_t δ_t |θ*_t − θ̄_t|²] from the dense P (the reference)."""
+    names = list(bnn.theta.keys())
+    bnn_delta = bnn.prior_precision
+    bnn.prior_precision = deltas
+    try:
+        precision = bnn.posterior_precision()
+    finally:
+        bnn.prior_precision = bnn_delta
+    occam = sum(bnn.theta[n].numel() * math.log(d) for n, d in zip(names, deltas))
+    penalty = sum(d * float((bnn.theta[n].detach() - bnn.prior.mean[n]).square().sum()) for n, d in zip(names, deltas))
+    return float(bnn.train_log_likelihood) - 0.5 * (float(torch.linalg.slogdet(precision)[1]) - occam + penalty)
+
+
+@pytest.mark.parametrize("structure, subset", [("full", "last_layer"), ("kron", "last_layer"), ("kron", "all"),
+                                               ("full", "all"), ("diag", "all")])
+def test_layerwise_prior_precision_matches_the_dense_posterior_and_laplace_torch(iris, structure, subset):
+    bnn = _ours(iris, structure, subset)
+    count = len(bnn.theta)
+    deltas = [0.5, 3.0, 0.2, 7.0][:count]
+    bnn.prior_precision = deltas
+    assert torch.equal(bnn.prior_precision, torch.tensor(deltas, dtype=DT))
+    # the posterior: every diagonal block of P gets its own δ, and the variances are diag(P^{-1})
+    precision = bnn.posterior_precision()
+    h_only = _ours(iris, structure, subset)
+    h_only.prior_precision = 1e-30
+    added = (precision - h_only.posterior_precision()).diagonal()
+    expected = torch.cat([torch.full((bnn.theta[n].numel(),), d, dtype=DT) for n, d in zip(bnn.theta.keys(), deltas)])
+    torch.testing.assert_close(added, expected, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(_flat(bnn.posterior_var.as_dict()), torch.linalg.inv(precision).diagonal(),
+                               rtol=1e-9, atol=0)
+    # the evidence: the structure's closed form equals the dense reference
+    assert float(bnn.log_marginal_likelihood()) == pytest.approx(_dense_log_marginal_likelihood(bnn, deltas),
+                                                                 rel=1e-10)
+    assert float(bnn.log_marginal_likelihood(torch.tensor(deltas, dtype=DT))) == pytest.approx(
+        float(bnn.log_marginal_likelihood()), rel=1e-12)
+    if structure == "diag" or subset == "last_layer":  # laplace-torch's last-layer classes take a scalar or diagonal δ
+        return
+    # laplace-torch with the same per-layer prior precision (one per parameter tensor there too)
+    la = _theirs(iris, structure, subset, prior_precision=torch.tensor(deltas, dtype=DT))
+    tol = TOL[structure]
+    torch.testing.assert_close(bnn.log_marginal_likelihood(),
+                               la.log_marginal_likelihood(torch.tensor(deltas, dtype=DT)).reshape(()),
+                               rtol=tol["rtol"], atol=0)
+    xv = iris["xv"]
+    torch.testing.assert_close(bnn.predict(xv), la(xv, pred_type="glm", link_approx="probit"), **tol)
+
+
+@pytest.mark.parametrize("structure, subset", [("full", "last_layer"), ("kron", "all"), ("full", "all"),
+                                               ("diag", "all")])
+def test_layerwise_marglik_optimum_is_a_stationary_point_above_the_scalar_optimum(iris, structure, subset):
+    bnn = _ours(iris, structure, subset)
+    scalar_best = bnn.optimize_prior_precision("marglik")
+    scalar_evidence = float(bnn.log_marginal_likelihood())
+    best = bnn.optimize_prior_precision("marglik", prior_structure="layerwise")
+    assert torch.is_tensor(best) and best.shape == (len(bnn.theta),)
+    assert torch.equal(bnn.prior_precision, best)
+    assert float(best.min()) < scalar_best < float(best.max())
+    evidence = float(bnn.log_marginal_likelihood())
+    assert evidence > scalar_evidence + 1e-3
+    # zero gradient in log δ, by autograd through the closed form (a Cholesky factor for "full")
+    log_delta = best.log().clone().requires_grad_(True)
+    value = bnn.log_marginal_likelihood(log_delta.exp())
+    (grad,) = torch.autograd.grad(value, log_delta)
+    assert float(grad.abs().max()) < 1e-6 * max(1.0, abs(evidence))
+    # and a maximum: any coordinate moved by ±1% lowers it
+    for t in range(len(best)):
+        for factor in (0.99, 1.01):
+            moved = best.clone()
+            moved[t] *= factor
+            assert float(bnn.log_marginal_likelihood(moved)) < evidence
+    # the posterior follows
+    torch.testing.assert_close(_flat(bnn.posterior_var.as_dict()),
+                               torch.linalg.inv(bnn.posterior_precision()).diagonal(), rtol=1e-9, atol=0)
+
+
+def test_layerwise_prior_precision_survives_a_checkpoint_and_old_scalar_checkpoints_load(iris, tmp_path):
+    bnn = _ours(iris, "kron", "all")
+    bnn.optimize_prior_precision("marglik", prior_structure="layerwise")
+    path = tmp_path / "ckpt.pt"
+    torch.save(bnn.state_dict(), path)
+    fresh = _ours(iris, "kron", "all", fit=False)
+    fresh.load_state_dict(torch.load(path, weights_only=True))
+    torch.testing.assert_close(fresh.prior_precision, bnn.prior_precision, rtol=0, atol=0)
+    xv = iris["xv"]
+    torch.testing.assert_close(fresh.predict(xv), bnn.predict(xv), rtol=0, atol=0)
+    old = {**bnn.state_dict(), "_prior_precision": torch.tensor(2.5, dtype=DT)}  # saved before layerwise δ
+    fresh.load_state_dict(old)
+    assert fresh.prior_precision == 2.5
+    with pytest.raises(ValueError, match=r"prior_precision has 3 values; accepted: one number, or one per "
+                                         r"Bayesian parameter tensor \(4: \['0.weight'"):
+        fresh.prior_precision = [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match=r"prior_precision\[1\]=-2.0 must be a number"):
+        fresh.prior_precision = [1.0, -2.0, 3.0, 4.0]

@@ -348,3 +348,16 @@ def test_swa_start_forms_and_the_not_fitted_errors():
         bnn.before_fit(None)
     with pytest.raises(ValueError, match=r"swa_lr=0.1: the model sets the optimizer's learning rate"):
         bw.wrap(nn.Linear(2, 2), "swag", num_data=10, swa_lr=0.1).before_fit(10, None, steps_per_epoch=1)
+
+
+def test_a_yaml_number_for_swa_start_is_read_as_the_command_line_reads_it():
+    # an unquoted YAML float or int reaches the string option as the text the command line passes
+    from bayeswrap.app.options import coerce_option
+    assert coerce_option("swa_start", 0.33) == "0.33"
+    assert coerce_option("swa_start", 12) == "12"
+    assert bw.wrap(nn.Linear(2, 2), "swag", num_data=10, swa_start=coerce_option("swa_start", 0.33)).swa_start == 0.33
+    assert bw.wrap(nn.Linear(2, 2), "swag", num_data=10, swa_start=coerce_option("swa_start", 12)).swa_start == 12
+    with pytest.raises(ValueError, match=r"covariance='3' is not accepted; accepted: \('lowrank', 'diagonal'\)"):
+        bw.wrap(nn.Linear(2, 2), "swag", num_data=10, covariance=coerce_option("covariance", 3))
+    with pytest.raises(ValueError, match=r"swa_start=True is not a string"):
+        coerce_option("swa_start", True)

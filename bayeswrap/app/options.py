@@ -180,7 +180,9 @@ def coerce_option(name: str, value: Any) -> Any:
     """A method option's command-line or YAML value as the type of its library default.
 
     Integers accept integral numbers (``3``, ``3.0``, ``"1e3"``), never booleans
-    or fractions; booleans accept true/false/yes/no/on/off/1/0; tuples accept a
+    or fractions; booleans accept true/false/yes/no/on/off/1/0; a string option
+    given a number (an unquoted YAML ``swa_start: 0.3``) gets its text, as the
+    command line passes it, for the method to parse; tuples accept a
     YAML list (``[250, 250]``); options whose default is None take any YAML
     scalar. The range is checked by the method's constructor (see
     :meth:`RunConfig.validate`).
@@ -213,6 +215,8 @@ def coerce_option(name: str, value: Any) -> Any:
             raise ValueError(f"{name}={value!r} is not a list; accepted: a YAML list such as [250, 250]")
         return tuple(value)
     if kind is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = repr(value)  # an unquoted YAML number: the text the command line passes (e.g. swa_start 0.33)
         if not isinstance(value, str):
             raise ValueError(f"{name}={value!r} is not a string")
         return value

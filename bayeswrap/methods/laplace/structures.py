@@ -85,6 +85,8 @@ from torch.func import jacrev, vmap
 from bayeswrap.methods.laplace.curvature import _backward
 
 HESSIAN_STRUCTURES = ("diag", "kron", "full")
+#: a prior precision: one δ for every parameter, or ``{name: δ}`` per Bayesian parameter tensor ("layerwise")
+Delta = float | Mapping[str, float]
 SUBSETS_OF_WEIGHTS = ("all", "last_layer")
 #: ``hessian_structure="full"`` stores a P × P matrix: at most this many Bayesian parameters (3.2 GB in float64)
 MAX_FULL_PARAMS = 20_000
@@ -256,6 +258,7 @@ class _Structure(nn.Module):
         super().__init__()
         self.register_buffer("fitted", torch.zeros((), dtype=torch.bool))
         self._cache = None
+        self.num_decompositions = 0
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .double(), ...: the decomposition is recomputed
         self._cache = None
@@ -268,6 +271,7 @@ class _Structure(nn.Module):
     def decomposition(self):
         if self._cache is None:
             self._cache = self._decompose()
+            self.num_decompositions += 1  # keys caches derived from this decomposition
         return self._cache
 
 
@@ -331,16 +335,17 @@ class FullPosterior(_Structure):
             self.H.add_(part)
         self._feature_order = _feature_order(k, dim, bias, a.device)
 
-    def feature_variance(self, a: torch.Tensor, d: torch.Tensor, bias: bool, delta: float) -> torch.Tensor:
+    def feature_variance(self, a: torch.Tensor, d: torch.Tensor, bias: bool, delta: Delta) -> torch.Tensor:
         """Last layer: diag(J P^{-1} Jᵀ) with J_n = δ_n ⊗ ã_n, (K', B) for unit vectors pulled back, d (K', B, K)."""
         a = _with_ones(a) if bias else a
         dim, k = a.shape[1], d.shape[-1]
         order = _feature_order(k, dim, bias, a.device)
-        q = torch.empty_like(self.eigvecs)
-        q[order] = self.eigvecs  # rows in (output, input) order
+        vecs, lam = self.factor(delta)
+        q = torch.empty_like(vecs)
+        q[order] = vecs  # rows in (output, input) order
         t = torch.einsum("bi,kip->bkp", a, q.reshape(k, dim, -1))  # (B, K, P)
         jq = torch.einsum("jbk,bkp->jbp", d, t)
-        return (jq.square() / (self.eigvals + delta)).sum(-1)
+        return (jq.square() / lam).sum(-1)
 
     def finish(self, scale: float) -> None:
         """H ← (N/n) H, symmetrised (and permuted to the parameters' order after :meth:`add_features`)."""
@@ -372,24 +377,50 @@ class FullPosterior(_Structure):
         parts = torch.split(flat, self.sizes, dim=-1)
         return {n: p.reshape(*flat.shape[:-1], *s) for (n, s), p in zip(self.shapes.items(), parts)}
 
-    def precision(self, delta: float) -> torch.Tensor:
-        """P = H + δ I, (P, P)."""
-        return self.H + delta * torch.eye(self.num_params, dtype=self.H.dtype, device=self.H.device)
+    def _decomposition_key(self) -> int:
+        self.decomposition()
+        return self.num_decompositions
 
-    def marginal_variances(self, delta: float) -> dict[str, torch.Tensor]:
-        """diag(P^{-1}) = (Q ⊙ Q) (1/(λ + δ)), ``{name: tensor}``."""
-        return self._split(self.eigvecs.square() @ (1.0 / (self.eigvals + delta)))
+    def prior_diagonal(self, delta: Delta) -> torch.Tensor:
+        """δ over the flattened parameters, (P,): each parameter's entry of δ (a scalar, or one per tensor)."""
+        if not isinstance(delta, Mapping):
+            return torch.full((self.num_params,), float(delta), dtype=self.H.dtype, device=self.H.device)
+        return torch.cat([torch.full((size,), float(delta[n]), dtype=self.H.dtype, device=self.H.device)
+                          for n, size in zip(self.shapes, self.sizes)])
 
-    def sample_deltas(self, count: int, generator, delta: float) -> dict[str, torch.Tensor]:
+    def precision(self, delta: Delta) -> torch.Tensor:
+        """P = H + diag(δ), (P, P)."""
+        return self.H + torch.diag(self.prior_diagonal(delta))
+
+    def factor(self, delta: Delta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Q, μ) with P = Q diag(μ) Qᵀ: H's eigenvectors and λ + δ for a scalar δ (no new factorisation);
+        for one δ per tensor, the eigendecomposition of H + diag(δ), cached for the last δ.
+        """
+        if not isinstance(delta, Mapping) or len(set(delta.values())) == 1:
+            value = next(iter(delta.values())) if isinstance(delta, Mapping) else delta
+            return self.eigvecs, self.eigvals + value
+        key = (tuple(float(delta[n]) for n in self.shapes), self._decomposition_key())
+        cached = getattr(self, "_factor_cache", None)
+        if cached is None or cached[0] != key:
+            lam, vecs = torch.linalg.eigh(self.precision(delta))
+            self._factor_cache = (key, vecs, lam)
+        return self._factor_cache[1], self._factor_cache[2]
+
+    def marginal_variances(self, delta: Delta) -> dict[str, torch.Tensor]:
+        """diag(P^{-1}) = (Q ⊙ Q) (1/μ), ``{name: tensor}``."""
+        vecs, lam = self.factor(delta)
+        return self._split(vecs.square() @ (1.0 / lam))
+
+    def sample_deltas(self, count: int, generator, delta: Delta) -> dict[str, torch.Tensor]:
         """``count`` draws of θ − θ* = P^{-1/2} ε, ``{name: (count, *shape)}``."""
         eps = torch.randn(count, self.num_params, generator=generator, dtype=self.H.dtype, device=self.H.device)
-        q = self.eigvecs
-        return self._split(((eps @ q) * (self.eigvals + delta).rsqrt()) @ q.t())
+        q, lam = self.factor(delta)
+        return self._split(((eps @ q) * lam.rsqrt()) @ q.t())
 
-    def functional_variance(self, jac: torch.Tensor, delta: float) -> torch.Tensor:
+    def functional_variance(self, jac: torch.Tensor, delta: Delta) -> torch.Tensor:
         """diag(J P^{-1} Jᵀ) per example and output: J (B, K, P) → (B, K)."""
-        proj = jac @ self.eigvecs
-        return (proj.square() / (self.eigvals + delta)).sum(-1)
+        q, lam = self.factor(delta)
+        return ((jac @ q).square() / lam).sum(-1)
 
 
 # ---------------------------------------------------------------------- kron
@@ -471,52 +502,58 @@ class KronPosterior(_Structure):
 
     def eigenvalues(self) -> torch.Tensor:
         """The eigenvalues of H, all blocks, as one float64 vector."""
-        parts = []
-        for layer, (_, b) in self.layers.items():
-            lg, _, la, _ = self.decomposed[layer]
-            parts.append(torch.outer(lg, la).flatten())
-            if b is not None:
-                parts.append(lg)
-        parts += [self.h[n].flatten() for n in self.diag_names]
-        return torch.cat(parts).double()
+        return torch.cat(list(self.block_eigenvalues().values()))
 
-    def marginal_variances(self, delta: float) -> dict[str, torch.Tensor]:
+    def block_eigenvalues(self) -> dict[str, torch.Tensor]:
+        """``{name: the eigenvalues of H's block of that parameter}``, float64 vectors (H is block-diagonal over
+        the parameters: weight G ⊗ A, bias G, the rest diagonal).
+        """
+        out = {}
+        for layer, (w, b) in self.layers.items():
+            lg, _, la, _ = self.decomposed[layer]
+            out[w] = torch.outer(lg, la).flatten().double()
+            if b is not None:
+                out[b] = lg.double()
+        out.update({n: self.h[n].flatten().double() for n in self.diag_names})
+        return {n: out[n] for n in self.shapes}
+
+    def marginal_variances(self, delta: Delta) -> dict[str, torch.Tensor]:
         """diag(P^{-1}) per parameter: (Q_G ⊙ Q_G) [1/(g aᵀ + δ)] (Q_A ⊙ Q_A)ᵀ for a weight."""
         out = {}
         for layer, (w, b) in self.layers.items():
             lg, qg, la, qa = self.decomposed[layer]
-            inv = 1.0 / (torch.outer(lg, la) + delta)
+            inv = 1.0 / (torch.outer(lg, la) + delta_of(delta, w))
             out[w] = (qg.square() @ inv @ qa.square().t()).reshape(self.shapes[w])
             if b is not None:
-                out[b] = qg.square() @ (1.0 / (lg + delta))
+                out[b] = qg.square() @ (1.0 / (lg + delta_of(delta, b)))
         for n in self.diag_names:
-            out[n] = 1.0 / (self.h[n] + delta)
+            out[n] = 1.0 / (self.h[n] + delta_of(delta, n))
         return out
 
-    def sample_deltas(self, count: int, generator, delta: float) -> dict[str, torch.Tensor]:
+    def sample_deltas(self, count: int, generator, delta: Delta) -> dict[str, torch.Tensor]:
         """``count`` draws of θ − θ* = P^{-1/2} ε per block (laplace-torch's ``bmm(·, exponent=-0.5)``)."""
         out = {}
         for layer, (w, b) in self.layers.items():
             lg, qg, la, qa = self.decomposed[layer]
             eps = torch.randn(count, *self.shapes[w], generator=generator, dtype=qg.dtype, device=qg.device)
             rot = qg.t() @ eps.reshape(count, len(lg), len(la)) @ qa
-            out[w] = (qg @ (rot * (torch.outer(lg, la) + delta).rsqrt()) @ qa.t()).reshape(eps.shape)
+            out[w] = (qg @ (rot * (torch.outer(lg, la) + delta_of(delta, w)).rsqrt()) @ qa.t()).reshape(eps.shape)
             if b is not None:
                 eps = torch.randn(count, *self.shapes[b], generator=generator, dtype=qg.dtype, device=qg.device)
-                out[b] = ((eps @ qg) * (lg + delta).rsqrt()) @ qg.t()
+                out[b] = ((eps @ qg) * (lg + delta_of(delta, b)).rsqrt()) @ qg.t()
         for n in self.diag_names:
             h = self.h[n]
             eps = torch.randn(count, *self.shapes[n], generator=generator, dtype=h.dtype, device=h.device)
-            out[n] = eps * (h + delta).rsqrt()
+            out[n] = eps * (h + delta_of(delta, n)).rsqrt()
         return {n: out[n] for n in self.shapes}
 
-    def functional_variance(self, seen, deltas, delta: float) -> torch.Tensor:
+    def functional_variance(self, seen, deltas, delta: Delta) -> torch.Tensor:
         """Σ over the Kron blocks of diag(J_l P_l^{-1} J_lᵀ), (K, B) for the K unit vectors' δ (K, B, ..., out)."""
         total = None
-        for layer, (_, b) in self.layers.items():
+        for layer, (w, b) in self.layers.items():
             lg, qg, la, qa = self.decomposed[layer]
             a, d = seen[layer][0], deltas[layer]
-            inv = 1.0 / (torch.outer(lg, la) + delta)
+            inv = 1.0 / (torch.outer(lg, la) + delta_of(delta, w))
             if a.dim() == 2:  # J_k = δ_k aᵀ: the rotation separates
                 dt, at = (d @ qg).square(), (a @ qa).square()  # (K, B, out), (B, in)
                 var = torch.einsum("kbo,oi,bi->kb", dt, inv, at)
@@ -526,9 +563,14 @@ class KronPosterior(_Structure):
                 var = ((qg.t() @ g @ qa).square() * inv).sum((-2, -1))
             if b is not None:
                 db = d.reshape(d.shape[0], d.shape[1], -1, d.shape[-1]).sum(2)
-                var = var + ((db @ qg).square() / (lg + delta)).sum(-1)
+                var = var + ((db @ qg).square() / (lg + delta_of(delta, b))).sum(-1)
             total = var if total is None else total + var
         return total
+
+
+def delta_of(delta: Delta, name: str) -> float:
+    """The prior precision of parameter ``name``: δ itself, or its entry of a per-tensor ``{name: δ}``."""
+    return float(delta[name]) if isinstance(delta, Mapping) else delta
 
 
 def _with_ones(a: torch.Tensor) -> torch.Tensor:
