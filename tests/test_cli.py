@@ -14,6 +14,9 @@ from bayeswrap.methods import METHODS, TUNING, Ensemble
 FAST = ["--progress", "false", "--batch-size", "64"]
 #: what `compare` runs without --methods, in registration order
 DEFAULT_COMPARISON = tuple(m for m, cls in METHODS.items() if cls.in_default_comparison)
+#: its rows without tuning: each method, then its further operating points (Laplace's marglik)
+DEFAULT_ROWS = tuple(label for m in DEFAULT_COMPARISON
+                     for label in (m, *(f"{m} ({p})" for p in METHODS[m].operating_points)))
 
 
 def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
@@ -22,12 +25,12 @@ def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
                      "0,45", "--shift-noise", "0,0.5", "--no-tune", *FAST]) == 0
     base = out / "compare-digits-mlp"
     rows = list(csv.DictReader(open(base / "comparison.csv")))
-    assert [(r["method"], r["num_samples"]) for r in rows] == [
-        (m, s) for m in DEFAULT_COMPARISON for s in ("0", "3")]
+    assert [(r["method"], r["num_samples"]) for r in rows] == [(m, s) for m in DEFAULT_ROWS for s in ("0", "3")]
+    assert "laplace (marglik)" in DEFAULT_ROWS
     cost = {r["method"]: float(r["cost"]) for r in rows}  # training time as a multiple of MAP's
     seconds = {m: sum(h["seconds"] for h in json.loads((base / m / "metrics.json").read_text())["history"])
-               for m in cost}
-    assert cost == pytest.approx({m: seconds[m] / seconds["map"] for m in cost}, rel=1e-3)
+               for m in DEFAULT_COMPARISON}
+    assert cost == pytest.approx({m: seconds[m.split(" ")[0]] / seconds["map"] for m in cost}, rel=1e-3)
     assert (base / "comparison.md").read_text().startswith(
         "| method | tuned | cost | num_samples | error | ece | nll | ece_Topt | nll_Topt | temperature | shift_error | shift_ece | "
         "shift_nll | shift_ece_Topt | shift_nll_Topt | ood_auroc_entropy | ood_auroc_mi |")
@@ -102,7 +105,9 @@ def test_compare_tunes_each_method_by_validation_nll(tmp_path, capsys):
     sigma = records["map"]["options"]["prior_std"]
     assert [s["stage"] for s in records["map"]["stages"]] == ["knob"]
     assert set(TUNING["map"][1]) <= set(records["map"]["stages"][0]["grid"])
-    assert [r["method"] for r in csv.DictReader(open(base / "comparison.csv"))] == ["vi", "map", "laplace"]
+    # Laplace is scored at both operating points: δ tuned by validation NLL, and δ by marginal likelihood
+    assert [r["method"] for r in csv.DictReader(open(base / "comparison.csv"))] == [
+        "vi", "map", "laplace (val)", "laplace (marglik)"]
     assert [s["stage"] for s in records["vi"]["stages"]] == ["knob", "prior_std"]
     assert [s["stage"] for s in records["laplace"]["stages"]] == ["prior_std", "post_hoc"]
     for method, tuning in records.items():
@@ -115,9 +120,10 @@ def test_compare_tunes_each_method_by_validation_nll(tmp_path, capsys):
             prior = next(s for s in tuning["stages"] if s["stage"] == "prior_std")
             assert {sigma, sigma * 3} <= set(prior["grid"]) or sigma * 3 > 1e3
             assert tuning["choice"] == ("inherit" if prior["chosen"] == sigma else "joint")
-        row = next(r for r in csv.DictReader(open(base / "comparison.csv")) if r["method"] == method)
+        label = "laplace (val)" if method == "laplace" else method
+        row = next(r for r in csv.DictReader(open(base / "comparison.csv")) if r["method"] == label)
         assert row["tuned"] == ", ".join(f"{k}={v:g}" for k, v in tuning["options"].items()) != ""
-        assert f"| {method} | {row['tuned']} |" in printed
+        assert f"| {label} | {row['tuned']} |" in printed
     assert list(records["vi"]["options"]) == ["prior_std", "kl_weight"]
     assert list(records["laplace"]["options"]) == ["prior_std", "prior_precision"]
     # the final runs used the chosen values; retraining VI at them reproduces its validation NLL
@@ -128,9 +134,20 @@ def test_compare_tunes_each_method_by_validation_nll(tmp_path, capsys):
     run = base / "laplace"  # set post hoc on the fitted Laplace, saved in the checkpoint
     cfg = cli.RunConfig(**cli.load_yaml(run / "config.yaml")).validate()
     assert cfg.prior_std == records["laplace"]["options"]["prior_std"]
-    bnn = cli.build(cfg, for_evaluation=True)[2]
+    splits, ood_test, bnn, _, device = cli.build(cfg, for_evaluation=True)
     bnn.load_state_dict(load_checkpoint(run / "best.pt"))
     assert bnn.prior_precision == pytest.approx(records["laplace"]["options"]["prior_precision"])
+    # the marglik row: the same fitted posterior at the δ that maximises the marginal likelihood
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["operating_point"] == "val"
+    point = metrics["operating_points"]["marglik"]
+    delta = bnn.optimize_prior_precision("marglik")
+    assert point["options"] == {"prior_precision": pytest.approx(delta, rel=1e-12)}
+    assert delta != pytest.approx(records["laplace"]["options"]["prior_precision"])
+    report = cli.final_reports(bnn, splits, ood_test, cfg, 3, device)[0]
+    row = next(r for r in csv.DictReader(open(base / "comparison.csv")) if r["method"] == "laplace (marglik)")
+    assert float(row["nll"]) == pytest.approx(report["T1"]["nll"], rel=1e-9) == point["final"]["3"]["T1"]["nll"]
+    assert row["tuned"] == f"prior_std={cfg.prior_std:g}, prior_precision={delta:g}"
 
 
 def test_resumed_compare_applies_only_tuned_options_from_a_tuning_file(tmp_path, capsys):

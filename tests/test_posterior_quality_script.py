@@ -26,8 +26,8 @@ def test_fast_mode_writes_table_json_and_figure(fast_run):
     assert (fast_run / "posterior_quality.png").stat().st_size > 10_000
     data = json.loads((fast_run / "posterior_quality.json").read_text())
     table = data["datasets"]["digits"]["table"]
-    assert set(table) == {"map", "vi", "ivon", "mc_dropout", "sgld", "laplace", "swag", "ensemble", "multiswag",
-                          "map+ts"}
+    assert set(table) == {"map", "vi", "ivon", "mc_dropout", "sgld", "laplace (val)", "laplace (marglik)", "swag",
+                          "ensemble", "multiswag", "map+ts"}
     assert table["map"]["cost"][0] == pytest.approx(1.0)
     assert table["ensemble"]["cost"][0] > 1.0  # five networks, trained at once
     for method, row in table.items():
@@ -45,8 +45,13 @@ def test_fast_mode_writes_table_json_and_figure(fast_run):
     assert {m: list(t[0]) for m, t in tuned.items()} == {
         "map": ["prior_std"], "vi": ["prior_std", "kl_weight"], "ivon": ["prior_std", "kl_weight"],
         "mc_dropout": ["prior_std", "p_drop"], "sgld": ["prior_std", "noise_scale"],
-        "laplace": ["prior_std", "prior_precision"], "swag": ["prior_std"],
+        "laplace (val)": ["prior_std", "prior_precision"], "laplace (marglik)": ["prior_std", "prior_precision"],
+        "swag": ["prior_std"],
         "ensemble": ["prior_std"], "multiswag": ["prior_std"]}
+    # Laplace's two operating points share the trained network and differ in the prior precision
+    assert tuned["laplace (marglik)"][0]["prior_std"] == tuned["laplace (val)"][0]["prior_std"]
+    assert tuned["laplace (marglik)"][0]["prior_precision"] != tuned["laplace (val)"][0]["prior_precision"]
+    assert table["laplace (marglik)"]["cost"] == table["laplace (val)"]["cost"]
     # ensembles take their member method's tuned options (MAP's for the deep ensemble, SWAG's for MultiSWAG)
     assert tuned["ensemble"][0] == tuned["map"][0] and tuned["multiswag"][0] == tuned["swag"][0]
     vi_row = next(line for line in md.splitlines() if line.startswith("| vi |"))

@@ -508,11 +508,35 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
     metrics = {"history": state["history"], "best_epoch": state["best_epoch"], "final": reports}
     if tuning is not None:
         metrics["tuning"] = tuning
+        if _knob(cfg.method) == POST_HOC:
+            metrics["operating_point"] = "val"
     if state["resumes"]:
         metrics["resumes"] = state["resumes"]
+    points = _operating_point_reports(bnn, splits, ood_test, cfg, sample_counts, device)
+    if points:
+        metrics["operating_points"] = points
     write_json(run_dir / "metrics.json", metrics)
     log.info("final: %s", {s: {k: r["T1"][k] for k in ("error", "ece", "nll")} for s, r in reports.items()})
     return metrics
+
+
+def _operating_point_reports(bnn, splits, ood_test, cfg: RunConfig, sample_counts, device) -> dict:
+    """The final reports at each further operating point of the fitted posterior (``bnn.operating_points``).
+
+    Returns ``{name: {"options": {option: value}, "final": {S: report}}}``; the model is left at the last point
+    (``best.pt`` keeps the run's own). A point the posterior cannot reach is logged and left out.
+    """
+    out = {}
+    for name in bnn.operating_points:
+        try:
+            options = bnn.use_operating_point(name)
+        except ValueError as err:
+            log.warning("%s: operating point %r left out: %s", cfg.method, name, err)
+            continue
+        log.info("%s: operating point %r: %s", cfg.method, name, options)
+        out[name] = {"options": options,
+                     "final": {str(s): final_reports(bnn, splits, ood_test, cfg, s, device)[0] for s in sample_counts}}
+    return out
 
 
 def _finalize_loader(dataset, cfg: RunConfig):
@@ -586,17 +610,38 @@ non-zero shift intensity (rotation and noise) at T = 1 and at the in-distributio
 held-out classes scored by predictive entropy and by mutual information (empty for S < 2)."""
 
 
+def operating_points(method: str, metrics: dict) -> dict[str, dict]:
+    """A run's rows: ``{label: metrics}``, the run itself and each further operating point of its posterior.
+
+    The run's label is ``method``, or ``"method (val)"`` when compare tuned its post hoc knob by validation NLL;
+    a further point (``metrics["operating_points"]``, e.g. Laplace's ``"marglik"``) is ``"method (name)"``, with
+    that point's final reports and its options in place of the post hoc knob's tuned value.
+    """
+    own = metrics.get("operating_point")
+    rows = {f"{method} ({own})" if own else method: metrics}
+    for name, point in (metrics.get("operating_points") or {}).items():
+        tuning = dict(metrics.get("tuning") or {})
+        tuning["options"] = {**{k: v for k, v in tuned_options(metrics).items() if k not in point["options"]},
+                             **point["options"]}
+        rows[f"{method} ({name})"] = {**metrics, "final": point["final"], "tuning": tuning}
+    return rows
+
+
 def comparison_rows(results: dict[str, dict]) -> list[dict]:
-    """One row per (method, S) from each run's final reports (BayesDLL Table 2 layout, plus shift and OOD)."""
+    """One row per (method or operating point, S) from each run's final reports (BayesDLL Table 2 layout, plus
+    shift and OOD); see :func:`operating_points` for the labels.
+    """
     rows = []
     seconds = {m: sum(h.get("seconds", 0.0) for h in r.get("history", [])) for m, r in results.items()}
-    for method, metrics in results.items():
+    labelled = {label: (method, metrics) for method, run in results.items()
+                for label, metrics in operating_points(method, run).items()}
+    for label, (method, metrics) in labelled.items():
         cost = seconds[method] / seconds["map"] if seconds.get("map") else None
         for s, rep in metrics["final"].items():
             topt = rep.get("Topt") or {}
             shift = (rep.get("shift") or {}).get("summary", {})
             ood = rep.get("ood") or {}
-            rows.append({"method": method, "tuned": tuned_text(metrics), "cost": cost, "num_samples": int(s), "error": rep["T1"]["error"],
+            rows.append({"method": label, "tuned": tuned_text(metrics), "cost": cost, "num_samples": int(s), "error": rep["T1"]["error"],
                          "ece": rep["T1"]["ece"], "nll": rep["T1"]["nll"],
                          "ece_Topt": topt.get("ece"), "nll_Topt": topt.get("nll"),
                          "temperature": rep.get("temperature"),

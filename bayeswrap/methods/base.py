@@ -172,6 +172,9 @@ class BayesianModel(nn.Module, ABC):
     #: state-dict prefixes the training loss never reads (stored draws, running moments), which an ensemble
     #: leaves out when it evaluates its members under ``vmap``
     loss_free_state: tuple[str, ...] = ()
+    #: further operating points of one fitted posterior, which ``bayeswrap compare`` scores as rows of their own,
+    #: "<method> (<name>)" (Laplace: "marglik"); :meth:`use_operating_point` moves the model to one
+    operating_points: tuple[str, ...] = ()
 
     def __init__(self, model: nn.Module, *, num_data: int, prior_std: float | None = 1.0, prior_mean="init",
                  bias: str = "informative", params: ParamSelector = None, likelihood: str = "categorical",
@@ -232,6 +235,21 @@ class BayesianModel(nn.Module, ABC):
     @abstractmethod
     def posterior_std(self) -> dict[str, torch.Tensor]:
         """Marginal standard deviations of q, ``{name: tensor of the parameter's shape}``."""
+
+    def use_operating_point(self, name: str) -> dict:
+        """Moves the fitted posterior to one of :attr:`operating_points`, without retraining.
+
+        Args:
+            name: an entry of :attr:`operating_points`.
+
+        Returns:
+            ``{option: value}``: what the operating point set (e.g. ``{"prior_precision": 0.4}``).
+
+        Raises:
+            ValueError: for a name that is not one of this method's operating points.
+        """
+        raise ValueError(f"operating point {name!r} is not known to {type(self).__name__}; accepted: "
+                         f"{self.operating_points}")
 
     def not_trained_by_fit(self) -> str | None:
         """Why :func:`bayeswrap.fit` cannot train this model (full-batch samplers), or None."""

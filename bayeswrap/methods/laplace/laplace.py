@@ -220,6 +220,9 @@ class Laplace(MAP):
     #: post hoc, on the fitted curvature (no retraining; :meth:`optimize_prior_precision`)
     tuning = ("prior_precision", tuple(10.0 ** k for k in range(-4, 5)))
     in_default_comparison = True
+    #: besides the prior precision compare tunes by validation NLL: laplace-torch's default, the scalar δ that
+    #: maximises the marginal likelihood (no validation data; Daxberger et al. 2021, §4)
+    operating_points = ("marglik",)
 
     def __init__(self, model, *, curvature: str = "ggn", curvature_chunk_size: int = 32,
                  curvature_samples: int = 1, pred_type: str = "glm", link_approx: str = "probit",
@@ -1163,6 +1166,12 @@ class Laplace(MAP):
             chol = torch.linalg.cholesky(structure.H.double() + torch.diag(diagonal))
             log_det_ratio = 2 * chol.diagonal().log().sum() - diagonal.log().sum()
         return log_lik - 0.5 * (log_det_ratio + penalty)
+
+    def use_operating_point(self, name: str) -> dict:
+        """``"marglik"``: :meth:`optimize_prior_precision` by marginal likelihood (scalar δ); see the base class."""
+        if name != "marglik":
+            return super().use_operating_point(name)
+        return {"prior_precision": self.optimize_prior_precision("marglik")}
 
     def optimize_prior_precision(self, method: str = "marglik", val_loader=None, grid=None,
                                  pred_type: str | None = None, link_approx: str | None = None, *,
