@@ -18,6 +18,13 @@ interleaved rounds to cancel drift; medians are reported):
    ``Runner.train_one_epoch`` on the same loader.
 4. ``predict``: ``predict(x, num_samples=S)`` of VI and the Laplace GLM
    predictive (``link_approx="mc"`` and ``"probit"``) against S plain forwards.
+5. ``laplace`` (not in the default ``--sections``): bayeswrap's KFAC Laplace
+   against laplace-torch (Daxberger et al. 2021) in the same process, on the
+   same weights, data, N and prior precision: the last-layer KFAC fit and GLM
+   probit predictive on timm models (and the predictive against one plain
+   forward), and the all-weights KFAC fit on the digits MLP and a small CNN.
+   Both sides' probit predictives and functional variances are compared.
+   Without laplace-torch importable its columns are left out, with a note.
 
 The Markdown has one table per section, with a target column and ``met``/``gap``
 where a target is set. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
@@ -30,6 +37,7 @@ Example::
 
     python scripts/benchmark.py --models resnet50 --img-size 224 --batch-sizes 16 \\
         --bayesdll-src ../BayesDLL --out figures/benchmark_cpu_r50
+    OMP_NUM_THREADS=1 python scripts/benchmark.py --sections laplace --out figures/benchmark_cpu_laplace
 """
 
 from __future__ import annotations
@@ -37,13 +45,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.metadata
 import importlib.util
 import inspect
 import io
 import json
 import logging
+import os
 import platform
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -78,6 +89,14 @@ PREDICT_S1_TARGET = 1.1
 #: a 5-member ensemble epoch (members vmapped) over one MAP epoch on the digits MLP; a loop of 5 members is ~5x
 ENSEMBLE_EPOCH_TARGET = 3.0
 ENSEMBLE_MEMBERS = 5
+#: laplace section: item -> (operator, bound) of bayeswrap's time over the reference's (laplace-torch, or a forward)
+LAPLACE_TARGETS = {
+    "last-layer KFAC fit / laplace-torch": ("<=", 2.0),
+    "GLM probit / laplace-torch": ("<=", 2.0),
+    "GLM probit / 1 forward": ("<=", 1.5),
+    "all-weights KFAC fit / laplace-torch": ("<", 1.0),
+}
+LAPLACE_CLASSES = 10
 
 
 # ---------------------------------------------------------------------------------------------- models and data
@@ -605,11 +624,226 @@ def predictive(args, name: str, device: torch.device) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- 5. laplace
+def small_cnn() -> torch.nn.Module:
+    """Two 3×3 convolutions (16 and 32 channels), each followed by ReLU and 2×2 max-pooling, and a Linear head:
+    3×32×32 images to 10 classes (25,578 parameters).
+    """
+    torch.manual_seed(0)
+    return torch.nn.Sequential(OrderedDict([
+        ("conv1", torch.nn.Conv2d(3, 16, 3, padding=1)), ("act1", torch.nn.ReLU()), ("pool1", torch.nn.MaxPool2d(2)),
+        ("conv2", torch.nn.Conv2d(16, 32, 3, padding=1)), ("act2", torch.nn.ReLU()), ("pool2", torch.nn.MaxPool2d(2)),
+        ("flatten", torch.nn.Flatten()), ("head", torch.nn.Linear(32 * 8 * 8, LAPLACE_CLASSES))]))
+
+
+def load_laplace_torch() -> SimpleNamespace | None:
+    """laplace-torch's ``Laplace`` factory and installed version, or ``None`` when it is not importable."""
+    try:
+        with warnings.catch_warnings():  # its import trips torch's torch.jit.script deprecation warning
+            warnings.simplefilter("ignore", FutureWarning)
+            from laplace import Laplace as laplace_torch
+    except ImportError:
+        return None
+    try:
+        version = importlib.metadata.version("laplace-torch")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return SimpleNamespace(Laplace=laplace_torch, version=version)
+
+
+def source_state() -> dict:
+    """The repository's commit and the files under ``bayeswrap/`` with uncommitted changes (what was measured)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "bayeswrap"],
+                                capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": "unknown", "modified": []}
+    return {"commit": commit or "unknown", "modified": sorted(line[3:] for line in status.splitlines() if line)}
+
+
+def image_data(count: int, size: int, seed: int) -> torch.utils.data.TensorDataset:
+    """``count`` random images (3, size, size) with random labels of :data:`LAPLACE_CLASSES` classes."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(torch.randn(count, 3, size, size, generator=g),
+                                          torch.randint(0, LAPLACE_CLASSES, (count,), generator=g))
+
+
+def digits_data(start: int, count: int) -> torch.utils.data.TensorDataset:
+    """The digits ``start:start + count`` of sklearn's 1,797 in a fixed shuffled order (pixels / 16), for the MLP."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[start:start + count]
+    if len(perm) < count:
+        raise ValueError(f"digits has {len(x)} examples; {start} + {count} were asked for")
+    return torch.utils.data.TensorDataset(torch.as_tensor(x, dtype=torch.float32)[perm] / 16.0,
+                                          torch.as_tensor(y)[perm])
+
+
+def probit_agreement(p_ours: torch.Tensor, p_theirs: torch.Tensor, p_map: torch.Tensor, var_ours: torch.Tensor,
+                     var_theirs: torch.Tensor) -> dict:
+    """How closely two GLM probit predictives agree, and how far they are from the MAP (the effect being compared).
+
+    Args:
+        p_ours, p_theirs: probit predictive probabilities (B, K) of the two implementations.
+        p_map: the MAP's softmax (B, K) at the same weights.
+        var_ours, var_theirs: the functional variances diag(J P⁻¹ Jᵀ), (B, K) each.
+
+    Returns:
+        ``probit_max_abs_diff`` (max |p_ours − p_theirs|), ``probit_vs_map_max_abs_diff``
+        (max |p_ours − p_map|), ``f_var_max_rel_diff`` (max |var_ours − var_theirs| / max |var_theirs|)
+        and ``f_var_median`` (median of var_theirs).
+    """
+    p_ours, p_theirs, p_map = (t.detach().double() for t in (p_ours, p_theirs, p_map))
+    var_ours, var_theirs = var_ours.detach().double(), var_theirs.detach().double()
+    scale = float(var_theirs.abs().max())
+    return {"probit_max_abs_diff": float((p_ours - p_theirs).abs().max()),
+            "probit_vs_map_max_abs_diff": float((p_ours - p_map).abs().max()),
+            "f_var_max_rel_diff": float((var_ours - var_theirs).abs().max()) / scale if scale > 0 else 0.0,
+            "f_var_median": float(var_theirs.median())}
+
+
+@contextlib.contextmanager
+def laplace_quiet():
+    """Silences the expected warnings of the laplace section: bayeswrap's prior-dominated posterior (untrained
+    models, random data) and laplace-torch's notices; other warnings still show.
+    """
+    with prior_dominated_ok(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"laplace(\.|$)")
+        warnings.filterwarnings("ignore", module=r"curvlinops(\.|$)")
+        yield
+
+
+def laplace_compare(model: torch.nn.Module, train, test_x: torch.Tensor, subset: str, args, device: torch.device,
+                    lt: SimpleNamespace | None, forward: bool) -> dict:
+    """Times ours against laplace-torch's KFAC fit and GLM probit predictive on one model, and compares them.
+
+    Ours: ``bw.wrap(model, "laplace", num_data=N, prior_std=1, hessian_structure="kron",
+    subset_of_weights=subset)`` then ``fit_curvature(loader)`` and ``predict(x, pred_type="glm",
+    link_approx="probit")``. Theirs: ``Laplace(copy, "classification", subset_of_weights=subset,
+    hessian_structure="kron")`` (its default backend and prior precision 1) then ``fit(loader)`` and
+    ``la(x, pred_type="glm", link_approx="probit")``. Both read the same unshuffled loader over ``train`` (N
+    examples), on the same eval-mode weights; fits and predictives run in interleaved rounds (one warm-up).
+
+    Args:
+        model: the eval-mode model (not modified; laplace-torch gets a deep copy).
+        train: the training dataset.
+        test_x: the predictive's inputs.
+        subset: ``"last_layer"`` or ``"all"``.
+        args: the parsed arguments (``laplace_batch_size``, ``laplace_repeats``).
+        device: where to run.
+        lt: :func:`load_laplace_torch`'s result, or ``None`` (ours only).
+        forward: also time one plain forward (``model(x).softmax(-1)`` under no_grad).
+
+    Returns:
+        ``params``, ``bayesian_params``, ``train_examples``, ``batch_size``, ``test_examples``, ``seconds`` and
+        ``cpu_seconds`` (medians), ``ratio`` (``fit_vs_laplace_torch``, ``predict_vs_laplace_torch``,
+        ``predict_vs_forward`` where measured) and, with laplace-torch, ``backend`` and ``agreement``
+        (:func:`probit_agreement`).
+    """
+    loader = torch.utils.data.DataLoader(train, batch_size=args.laplace_batch_size, shuffle=False)
+    x = test_x.to(device)
+    ours = bw.wrap(model, "laplace", num_data=len(train), prior_std=PRIOR_STD, hessian_structure="kron",
+                   subset_of_weights=subset).to(device)
+    fits = {"bayeswrap": lambda: ours.fit_curvature(loader)}
+    predicts = {"bayeswrap": lambda: ours.predict(x, pred_type="glm", link_approx="probit")}
+    theirs = None
+    if lt is not None:
+        theirs = lt.Laplace(copy.deepcopy(model), "classification", subset_of_weights=subset,
+                            hessian_structure="kron")
+        fits["laplace_torch"] = lambda: theirs.fit(loader)
+        predicts["laplace_torch"] = lambda: theirs(x, pred_type="glm", link_approx="probit")
+    if forward:
+        def plain():
+            with torch.no_grad():
+                model(x).softmax(-1)
+        predicts["forward"] = plain
+    with laplace_quiet():
+        fit_wall, fit_cpu = interleaved(fits, args.laplace_repeats, 1, device)
+        pred_wall, pred_cpu = interleaved(predicts, args.laplace_repeats, 1, device)
+    fit_med, pred_med = medians(fit_wall), medians(pred_wall)
+    seconds = {**{f"fit_{k}": v for k, v in fit_med.items()}, **{f"predict_{k}": v for k, v in pred_med.items()}}
+    cpu = {**{f"fit_{k}": v for k, v in medians(fit_cpu).items()},
+           **{f"predict_{k}": v for k, v in medians(pred_cpu).items()}}
+    ratio = {}
+    if theirs is not None:
+        ratio["fit_vs_laplace_torch"] = fit_med["bayeswrap"] / fit_med["laplace_torch"]
+        ratio["predict_vs_laplace_torch"] = pred_med["bayeswrap"] / pred_med["laplace_torch"]
+    if forward:
+        ratio["predict_vs_forward"] = pred_med["bayeswrap"] / pred_med["forward"]
+    out = {"params": sum(p.numel() for p in model.parameters()),
+           "bayesian_params": sum(t.numel() for t in ours.theta.values()),
+           "train_examples": len(train), "batch_size": args.laplace_batch_size, "test_examples": x.shape[0],
+           "seconds": seconds, "cpu_seconds": cpu, "ratio": ratio}
+    if theirs is not None:
+        with laplace_quiet():
+            f_mu, var_ours = ours.functional_moments(x)
+            _, var_theirs = theirs._glm_predictive_distribution(x)  # (B, K, K); the probit link uses its diagonal
+            out["agreement"] = probit_agreement(
+                ours.predict(x, pred_type="glm", link_approx="probit"),
+                theirs(x, pred_type="glm", link_approx="probit"), f_mu.softmax(-1), var_ours,
+                torch.diagonal(var_theirs, dim1=-2, dim2=-1))
+        out["backend"] = theirs._backend_cls.__name__
+    return out
+
+
+def laplace_section(args, device: torch.device) -> dict:
+    """KFAC Laplace, bayeswrap against laplace-torch: last layer on timm models, all weights on small models.
+
+    Last layer (``--laplace-models``): timm models with 10 classes (ViTs built for ``--laplace-img-size``),
+    ``--laplace-train`` random images of 3 × size × size with random labels, the predictive on
+    ``--laplace-test`` more. All weights (``--laplace-kron-models``): ``mlp`` (the digits MLP on the first
+    ``--laplace-kron-train`` of sklearn's digits in a fixed shuffled order, the predictive on the next
+    ``--laplace-test``) and ``cnn`` (:func:`small_cnn` on random 3×32×32 images). Untrained weights
+    throughout: these are cost measurements, with the agreement of the two implementations as a check.
+    """
+    lt = load_laplace_torch()
+    out = {"laplace_torch": {"version": lt.version} if lt else None, "source": source_state(),
+           "repeats": args.laplace_repeats, "last_layer": {}, "all_weights": {}}
+    size = args.laplace_img_size
+    train = image_data(args.laplace_train, size, seed=0)
+    test_x = image_data(args.laplace_test, size, seed=1).tensors[0]
+    for name in [m for m in args.laplace_models.split(",") if m]:
+        print(f"laplace last layer: {name}", flush=True)
+        torch.manual_seed(0)
+        kwargs = {"img_size": size} if "vit" in name else {}
+        model = timm.create_model(name, pretrained=False, num_classes=LAPLACE_CLASSES, **kwargs).to(device).eval()
+        r = laplace_compare(model, train, test_x, "last_layer", args, device, lt, forward=True)
+        r.update(model=name, img_size=size)
+        out["last_layer"][name] = r
+        print(json.dumps({k: r[k] for k in ("ratio", "agreement") if k in r}), flush=True)
+    for name in [m for m in args.laplace_kron_models.split(",") if m]:
+        print(f"laplace all weights: {name}", flush=True)
+        if name == "mlp":
+            model, data = digits_mlp(), digits_data(0, args.laplace_kron_train)
+            test_x = digits_data(args.laplace_kron_train, args.laplace_test).tensors[0]
+            inputs = "digits, 64 features"
+        elif name == "cnn":
+            model, data = small_cnn(), image_data(args.laplace_kron_train, 32, seed=0)
+            test_x = image_data(args.laplace_test, 32, seed=1).tensors[0]
+            inputs = "random 3x32x32 images"
+        else:
+            raise ValueError(f"--laplace-kron-models: unknown {name!r}; accepted: mlp, cnn")
+        kron_args = copy.copy(args)
+        kron_args.laplace_batch_size = args.laplace_kron_batch_size
+        r = laplace_compare(model.to(device).eval(), data, test_x, "all", kron_args, device, lt, forward=False)
+        r.update(model=name, inputs=inputs)
+        out["all_weights"][name] = r
+        print(json.dumps({k: r[k] for k in ("ratio", "agreement") if k in r}), flush=True)
+    backends = {r["backend"] for part in ("last_layer", "all_weights") for r in out[part].values() if "backend" in r}
+    if lt is not None:
+        out["laplace_torch"]["backend"] = ", ".join(sorted(backends)) or "unknown"
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- targets
 def check(value: float, op: str, bound: float) -> dict:
-    """One target: ``value op bound`` (``op`` is ``"<="`` or ``">="``)."""
-    met = value <= bound if op == "<=" else value >= bound
-    sign = "≤" if op == "<=" else "≥"
+    """One target: ``value op bound`` (``op`` is ``"<="``, ``">="`` or ``"<"``)."""
+    met = {"<=": value <= bound, ">=": value >= bound, "<": value < bound}[op]
+    sign = {"<=": "≤", ">=": "≥", "<": "<"}[op]
     return {"value": value, "op": op, "bound": bound, "target": f"{sign} {bound:g}x", "met": bool(met)}
 
 
@@ -651,6 +885,15 @@ def evaluate_targets(result: dict) -> list[dict]:
                 add("predict", f"{name} S=1", "vi predict / 1 forward", r["ratio"]["vi"], "<=", PREDICT_S1_TARGET)
             for link in [k for k in r["ratio"] if k.startswith("glm_")]:
                 add("predict", f"{name} S={s}", f"{link} / {s} forwards", r["ratio"][link], "<=", GLM_TARGET)
+    lap = result.get("laplace") or {}
+    for part, items in (("last_layer", (("last-layer KFAC fit / laplace-torch", "fit_vs_laplace_torch"),
+                                        ("GLM probit / laplace-torch", "predict_vs_laplace_torch"),
+                                        ("GLM probit / 1 forward", "predict_vs_forward"))),
+                        ("all_weights", (("all-weights KFAC fit / laplace-torch", "fit_vs_laplace_torch"),))):
+        for name, r in lap.get(part, {}).items():
+            for item, key in items:
+                if key in r["ratio"]:
+                    add("laplace", name, item, r["ratio"][key], *LAPLACE_TARGETS[item])
     return checks
 
 
@@ -672,15 +915,19 @@ def markdown(result: dict) -> str:
         return [c for c in checks if c["section"] == section and c["key"] == key and c["item"].startswith(prefix)]
 
     device_is_cpu = result["device"].startswith("CPU")
-    lines = [f"# bayeswrap benchmark ({result['device']})", "",
-             f"input {cfg['img_size']}x{cfg['img_size']}, amp={cfg['amp']}, medians of {cfg['repeats']} interleaved "
-             f"rounds; torch {result['torch']}; optimizer: SGD with momentum 0.9, lr {LR:g} (fused kernel where "
-             "supported) for plain training and every SGD-trained method (SGLD: bw.optim.SGLD, IVON: bw.optim.IVON).",
-             "Time ratios are wall-clock; on CPU the ratio of process CPU time is given too (robust to other load). "
-             "Peak memory: CUDA max allocated, or on CPU the max RSS of a fresh process per configuration.", ""]
+    lines = [f"Regenerate: `{result['command']}`", ""] if result.get("command") else []
+    lines.append(f"# bayeswrap benchmark ({result['device']})")
+    if any(result.get(k) for k in ("step", "curvature", "mlp_epoch", "predict")):  # their shared settings
+        lines += ["", f"input {cfg['img_size']}x{cfg['img_size']}, amp={cfg['amp']}, medians of {cfg['repeats']} "
+                  f"interleaved rounds; torch {result['torch']}; optimizer: SGD with momentum 0.9, lr {LR:g} (fused "
+                  "kernel where supported) for plain training and every SGD-trained method (SGLD: bw.optim.SGLD, "
+                  "IVON: bw.optim.IVON).",
+                  "Time ratios are wall-clock; on CPU the ratio of process CPU time is given too (robust to other "
+                  "load). Peak memory: CUDA max allocated, or on CPU the max RSS of a fresh process per "
+                  "configuration.", ""]
     if result.get("bayesdll"):
         b = result["bayesdll"]
-        lines += [f"BayesDLL: `{b['path']}` (commit {b['commit']}), imported at run time. Its step is the body of "
+        lines += ([""] if lines[-1] else []) + [f"BayesDLL: `{b['path']}` (commit {b['commit']}), imported at run time. Its step is the body of "
                   "its own `Runner.train_one_epoch` loop: `runner.model(...)` (their `Model.forward`: sampling into "
                   "the workhorse net, forward, backward, prior/KL gradients) then `runner.optimizer.step()` (their "
                   "torch SGD, momentum 0.9, the same lr), on the same model weights and batch, in the same rounds; "
@@ -781,10 +1028,82 @@ def markdown(result: dict) -> str:
                     target, stat = status(find("predict", f"{name} S={s}", item))
                     lines.append(f"| {name} | {s} | {k} | {r['seconds'][k] * 1e3:.1f} ms | "
                                  f"{r['seconds']['plain_forwards'] * 1e3:.1f} ms | {ratio:.2f}x | {target} | {stat} |")
+    if result.get("laplace"):
+        lines += laplace_markdown(result["laplace"], result["torch"], find)
     if checks:
         met = sum(c["met"] for c in checks)
         lines += ["", f"Targets: {met} of {len(checks)} met."]
     return "\n".join(lines) + "\n"
+
+
+def laplace_markdown(lap: dict, torch_version: str, find) -> list[str]:
+    """The laplace section's tables: times with ratios and targets, then the agreement of the two predictives."""
+    lt = lap["laplace_torch"]
+    src = lap["source"]
+    modified = (f" with uncommitted changes in {', '.join(f'`{m}`' for m in src['modified'])}"
+                if src["modified"] else "")
+    lines = ["", "## Laplace: bayeswrap against laplace-torch (KFAC, eval mode, prior precision 1)", "",
+             f"torch {torch_version}; bayeswrap at commit {src['commit']}{modified}. "
+             + (f"laplace-torch {lt['version']} in the same process, its default backend ({lt['backend']}; exact "
+                "GGN KFAC), on a deep copy of the same weights, the same unshuffled loader and N. "
+                if lt else "laplace-torch is not importable here: its columns are left out and the targets against "
+                           "it are not evaluated. ")
+             + "Ours: `bw.wrap(model, \"laplace\", num_data=N, prior_std=1.0, hessian_structure=\"kron\", "
+               "subset_of_weights=...)`, `bnn.fit_curvature(loader)`, `bnn.predict(x, pred_type=\"glm\", "
+               "link_approx=\"probit\")`. Theirs: `Laplace(model, \"classification\", subset_of_weights=..., "
+               "hessian_structure=\"kron\")`, `la.fit(loader)`, `la(x, pred_type=\"glm\", "
+               "link_approx=\"probit\")`. The forward is `model(x).softmax(-1)` under `torch.no_grad()`. "
+               "Untrained weights and random images with random labels (the MLP: sklearn's digits); medians of "
+               f"{lap['repeats']} interleaved rounds after one warm-up; ratios are bayeswrap's time over the "
+               "reference's (wall-clock, and process CPU time, which other load on the machine affects less).", "",
+             "| model | Bayesian params | data | operation | bayeswrap | reference | ratio | CPU-time ratio | target "
+             "| status |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = (("last_layer", "last-layer KFAC fit", "fit", "laplace_torch", "fit_vs_laplace_torch",
+             "last-layer KFAC fit / laplace-torch"),
+            ("last_layer", "GLM probit predictive", "predict", "laplace_torch", "predict_vs_laplace_torch",
+             "GLM probit / laplace-torch"),
+            ("last_layer", "GLM probit predictive", "predict", "forward", "predict_vs_forward",
+             "GLM probit / 1 forward"),
+            ("all_weights", "all-weights KFAC fit", "fit", "laplace_torch", "fit_vs_laplace_torch",
+             "all-weights KFAC fit / laplace-torch"),
+            ("all_weights", "all-weights GLM probit predictive", "predict", "laplace_torch",
+             "predict_vs_laplace_torch", None))
+    names = {"laplace_torch": "laplace-torch", "forward": "1 forward"}
+    for part in ("last_layer", "all_weights"):
+        for name, r in lap[part].items():
+            label = f"{name} ({r['img_size']}²)" if part == "last_layer" else name
+            for row_part, op_text, op, ref, key, item in rows:
+                if row_part != part:
+                    continue
+                data = (f"{r['train_examples']} train (batch {r['batch_size']})" if op == "fit"
+                        else f"{r['test_examples']} test")
+                ours = r["seconds"][f"{op}_bayeswrap"]
+                if key in r["ratio"]:
+                    theirs = r["seconds"][f"{op}_{ref}"]
+                    cpu_ratio = r["cpu_seconds"][f"{op}_bayeswrap"] / r["cpu_seconds"][f"{op}_{ref}"]
+                    target, stat = status(find("laplace", name, item)) if item else ("—", "—")
+                    lines.append(f"| {label} | {r['bayesian_params']:,} | {data} | {op_text} | {ours * 1e3:.1f} ms | "
+                                 f"{names[ref]} {theirs * 1e3:.1f} ms | {r['ratio'][key]:.2f}x | {cpu_ratio:.2f}x | "
+                                 f"{target} | {stat} |")
+                else:
+                    lines.append(f"| {label} | {r['bayesian_params']:,} | {data} | {op_text} | {ours * 1e3:.1f} ms | "
+                                 f"{names[ref]}: not measured | — | — | — | — |")
+    agreeing = [(part, name, r["agreement"]) for part in ("last_layer", "all_weights")
+                for name, r in lap[part].items() if "agreement" in r]
+    if agreeing:
+        lines += ["", "### Do both compute the same predictive?", "",
+                  "On the test inputs, at the same weights and prior precision: the largest difference between "
+                  "the two probit predictives' probabilities, next to the largest difference between the probit "
+                  "predictive and the MAP's softmax (the size of the effect compared), and the largest difference "
+                  "of the functional variances diag(J P⁻¹ Jᵀ), relative to laplace-torch's largest.", "",
+                  "| model | subset | max abs diff, probit ours vs theirs | max abs diff, probit vs MAP | "
+                  "max rel. diff of the functional variance | median functional variance |",
+                  "|---|---|---|---|---|---|"]
+        for part, name, a in agreeing:
+            lines.append(f"| {name} | {part.replace('_', ' ')} | {a['probit_max_abs_diff']:.2e} | "
+                         f"{a['probit_vs_map_max_abs_diff']:.2e} | {a['f_var_max_rel_diff']:.2e} | "
+                         f"{a['f_var_median']:.3g} |")
+    return lines
 
 
 def figure(result: dict, path: str) -> None:
@@ -847,6 +1166,17 @@ def parse_args(argv=None):
     p.add_argument("--glm-links", default="mc,probit",
                    help="Laplace GLM links to time (probit costs K vector-Jacobian products per example)")
     p.add_argument("--num-samples", default="1,5,20", help="S values of the predict section (1 is always included)")
+    p.add_argument("--laplace-models", default="resnet18,vit_small_patch16_224",
+                   help="timm models of the laplace section's last-layer comparison")
+    p.add_argument("--laplace-img-size", type=int, default=64)
+    p.add_argument("--laplace-train", type=int, default=64, help="training images of the last-layer fit")
+    p.add_argument("--laplace-batch-size", type=int, default=32, help="batch size of the last-layer fit")
+    p.add_argument("--laplace-test", type=int, default=32, help="inputs of the GLM probit predictive")
+    p.add_argument("--laplace-kron-models", default="mlp,cnn",
+                   help="models of the all-weights KFAC comparison: mlp (digits MLP), cnn (small CNN, 3x32x32)")
+    p.add_argument("--laplace-kron-train", type=int, default=512, help="training examples of the all-weights fit")
+    p.add_argument("--laplace-kron-batch-size", type=int, default=64)
+    p.add_argument("--laplace-repeats", type=int, default=3)
     p.add_argument("--out", default="figures/benchmark")
     p.add_argument("--child-memory", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -865,6 +1195,20 @@ def parse_args(argv=None):
     return args
 
 
+def regenerate_command(argv: list[str]) -> str:
+    """The command line that reruns this script with ``argv``: the interpreter relative to the repository when it
+    is inside it, and ``OMP_NUM_THREADS`` when it is set (it sets the CPU threads, which the timings depend on).
+    """
+    root = Path(__file__).resolve().parent.parent
+    try:
+        python = Path(sys.executable).absolute().relative_to(root).as_posix()
+    except ValueError:
+        python = "python"
+    threads = os.environ.get("OMP_NUM_THREADS")
+    prefix = f"OMP_NUM_THREADS={threads} " if threads else ""
+    return f"{prefix}{python} scripts/benchmark.py {shlex.join(argv)}".rstrip()
+
+
 def main(argv=None) -> dict | None:
     """Runs the selected sections and writes ``<out>.json``, ``<out>.md`` (and ``<out>.png``).
 
@@ -880,6 +1224,7 @@ def main(argv=None) -> dict | None:
         f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     sections = set(args.sections.split(","))
     result = {"device": device_name, "torch": torch.__version__,
+              "command": regenerate_command(sys.argv[1:] if argv is None else list(argv)),
               "config": {k: v for k, v in vars(args).items() if k != "child_memory"},
               "bayesdll": {"path": bdl.path, "commit": bdl.commit} if bdl else None, "step": {}}
     if "step" in sections:
@@ -895,6 +1240,8 @@ def main(argv=None) -> dict | None:
         print(f"predict: {args.predict_model}", flush=True)
         result["predict"] = {args.predict_model: predictive(args, args.predict_model, device)}
         print(json.dumps({s: r["ratio"] for s, r in result["predict"][args.predict_model].items()}), flush=True)
+    if "laplace" in sections:
+        result["laplace"] = laplace_section(args, device)
     result["targets"] = evaluate_targets(result)
     report = markdown(result)
     write_json(args.out + ".json", result)
