@@ -170,7 +170,7 @@ def test_bad_init_checkpoint_names_the_file(tmp_path, capsys, kind):
     (["predict", "RUN", "X", "--batch-size", "0"], r"--batch-size '0' is not valid; accepted: an integer >= 1"),
     (["predict", "RUN", "X", "--seed", "-1"], r"--seed '-1' is not valid"),
     (["predict", "RUN", "X", "--num-samples", "1.5"], r"--num-samples '1.5' is not valid"),
-    (["predict", "RUN", "X", "--out", "OUTDIR"], r"--out .* is a folder; accepted: a CSV file path"),
+    (["predict", "RUN", "X", "--out", "OUTDIR"], r"--out .* is a folder; accepted: a path for a new or regular CSV file"),
     (["fit", "--resume", "NOT_A_RUN"], r"--resume .*: no config.yaml there"),
     (["compare", "--resume", "NOT_A_RUN"], r"--resume .*: no compare.yaml there"),
     (["compare", "--methods", "map,nuts", "--out-dir", "OUTDIR"], r"--methods nuts not known; accepted: map"),

@@ -55,7 +55,18 @@ from bayeswrap.app.config import (
 )
 from bayeswrap.app.options import all_option_specs, option_specs, option_users
 from bayeswrap.core import distributed
-from bayeswrap.core.io import CheckpointError, load_checkpoint, save_checkpoint, write_json, write_text, write_yaml
+from bayeswrap.core.io import (
+    CheckpointError,
+    UnsafePathError,
+    file_kind,
+    load_checkpoint,
+    open_append,
+    remove_stale_tmp_of,
+    save_checkpoint,
+    write_json,
+    write_text,
+    write_yaml,
+)
 from bayeswrap.data.datasets import DataError
 from bayeswrap.data.inputs import load_inputs
 from bayeswrap.data.shift import shifted_dataset
@@ -153,8 +164,15 @@ def _write_uncertainty_plots(folder: Path, reports: dict[str, dict], *, temperat
                            title=f"γ(α) of the uncertainty measures ({label})")
 
 
+class _RunLogHandler(logging.FileHandler):
+    """``train.log``, appended through :func:`~bayeswrap.core.io.open_append`: never through a symbolic link."""
+
+    def _open(self):
+        return open_append(self.baseFilename)
+
+
 def _setup_logging(run_dir: Path) -> logging.Handler:
-    handler = logging.FileHandler(run_dir / "train.log")
+    handler = _RunLogHandler(run_dir / "train.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
@@ -310,7 +328,7 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
 
 def _restore(path: Path, bnn, optimizer, cfg: RunConfig) -> dict:
     """Loads ``last.pt`` into the model and optimizer; the config's lr (and momentum, weight decay) win."""
-    ckpt = load_checkpoint(path, required=LAST_CHECKPOINT_KEYS)
+    ckpt = load_checkpoint(path, required=LAST_CHECKPOINT_KEYS, inside=path.parent)
     if ckpt["epoch"] > cfg.epochs:
         raise ValueError(f"--resume: epochs={cfg.epochs} is below the {ckpt['epoch']} epochs the run in "
                          f"{path.parent} has already trained; accepted: epochs >= {ckpt['epoch']}")
@@ -491,7 +509,7 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
             board.close()
     # finalise on the best-validation state (Laplace fits its curvature there) and save it
     if main:
-        bnn.load_state_dict(load_checkpoint(run_dir / "best.pt"))
+        bnn.load_state_dict(load_checkpoint(run_dir / "best.pt", inside=run_dir))
     distributed.broadcast_state_dict_(bnn)  # data-parallel: rank 0 read the best state; every rank finalises
     bnn.after_fit(_finalize_loader(splits.train, cfg))
     if not main:
@@ -566,7 +584,12 @@ def _tensorboard(run_dir: Path, start_epoch: int):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch's writer needs the tensorboard package
         return None
-    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_epoch + 1 if start_epoch else None)
+    folder = run_dir / "tensorboard"
+    kind = file_kind(folder)
+    if kind is not None and kind != "a folder":  # never write events through a planted link
+        raise UnsafePathError(f"refusing to write TensorBoard events into {folder}: it is {kind}; accepted: a "
+                              "folder of the run")
+    return SummaryWriter(str(folder), purge_step=start_epoch + 1 if start_epoch else None)
 
 
 def evaluate_run(run_dir: str | Path, num_samples: int | None = None) -> dict:
@@ -582,7 +605,7 @@ def evaluate_run(run_dir: str | Path, num_samples: int | None = None) -> dict:
         raise ValueError(f"{run_dir} is not a finished run folder (needs config.yaml and best.pt)")
     cfg = load_run_config(run_dir / "config.yaml")
     splits, ood_test, bnn, _, device = build(cfg, for_evaluation=True)
-    state = load_checkpoint(run_dir / "best.pt")
+    state = load_checkpoint(run_dir / "best.pt", inside=run_dir)
     try:
         bnn.load_state_dict(state)
     except (RuntimeError, ValueError, KeyError, TypeError) as err:
@@ -1031,8 +1054,9 @@ def predict_rows(probs: torch.Tensor, names: list[str], class_names: list[str]) 
     aleatoric = expected_entropy(probs).tolist() if probs.shape[0] >= 2 else [None] * len(names)
     conf, pred = mean.max(-1)
     rows = []
+    class_names = [csv_text(c) for c in class_names]
     for i, name in enumerate(names):
-        row = {"input": name, "predicted_class": int(pred[i]), "predicted_label": class_names[int(pred[i])],
+        row = {"input": csv_text(name), "predicted_class": int(pred[i]), "predicted_label": class_names[int(pred[i])],
                "confidence": float(conf[i])}
         row.update({f"prob_{c}": float(p) for c, p in zip(class_names, mean[i].tolist())})
         row.update(entropy=entropy[i], expected_entropy=aleatoric[i], mutual_information=epistemic[i])
@@ -1040,16 +1064,22 @@ def predict_rows(probs: torch.Tensor, names: list[str], class_names: list[str]) 
     return rows
 
 
+#: first characters a spreadsheet reads as a formula (OWASP's CSV injection list)
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_text(value: str) -> str:
+    """A file or class name for the CSV: prefixed with ``'`` when a spreadsheet would run it as a formula."""
+    value = str(value)
+    return "'" + value if value.startswith(FORMULA_STARTS) else value
+
+
 def _predict_command(args) -> int:
 
     s = None if args.num_samples is None else _count("num_samples", args.num_samples, 0)
     batch_size = _count("batch_size", args.batch_size, 1)
     seed = _count("seed", args.seed, 0)
-    out = Path(args.out)
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a folder; accepted: a CSV file path")
-    if out.exists() and not args.overwrite:
-        raise ValueError(f"--out {out} exists; pass --overwrite to replace it")
+    out = runs.check_user_output(args.out, overwrite=args.overwrite)
     run = runs.load_run(args.run_dir, device=args.device)
     inputs, names = load_inputs(args.inputs, run.transform, run.input_shape)
     probs = run.sample_probs(inputs, s, batch_size=batch_size, seed=seed)
@@ -1058,6 +1088,8 @@ def _predict_command(args) -> int:
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
+    remove_stale_tmp_of(out)  # what a killed predict left beside this file
+    runs.check_user_output(out, overwrite=args.overwrite)  # unchanged while the model predicted
     write_text(out, buf.getvalue())
     print(f"{len(rows)} predictions (S={probs.shape[0] if (s or run.config.num_samples) else 0}) written to {out}")
     return 0

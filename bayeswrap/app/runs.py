@@ -29,7 +29,7 @@ import torch
 from bayeswrap._version import __version__
 from bayeswrap.app.build import DataInfo, build_model, data_info, input_transform, load_splits
 from bayeswrap.app.config import load_run_config
-from bayeswrap.core.io import CheckpointError, load_checkpoint, write_text
+from bayeswrap.core.io import CheckpointError, UnsafePathError, file_kind, load_checkpoint, pid_alive, write_text
 from bayeswrap.predictive import model_device, sample_probs_loader
 
 MARKER = ".bayeswrap-run"
@@ -45,16 +45,6 @@ def is_run_folder(path: Path) -> bool:
     path = Path(path)
     return path.is_dir() and not path.is_symlink() and (
         (path / MARKER).is_file() or ((path / "config.yaml").is_file() and (path / "train.log").is_file()))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 class RunLock:
@@ -81,7 +71,7 @@ class RunLock:
             return None
         except (ValueError, IndexError, OSError, UnicodeDecodeError):
             return None  # half-written or garbled lock: its writer died between create and write
-        if host == socket.gethostname() and not _pid_alive(pid):
+        if host == socket.gethostname() and not pid_alive(pid):
             return None
         return pid, host
 
@@ -192,6 +182,47 @@ def clear(run_dir: Path) -> None:
             entry.unlink()
 
 
+def enclosing_run_folder(path: str | os.PathLike) -> Path | None:
+    """The bayeswrap run or comparison folder that ``path`` (resolved) lies in, or None."""
+    for folder in Path(os.path.realpath(path)).parents:
+        if is_run_folder(folder):
+            return folder
+    return None
+
+
+def check_user_output(path: str | os.PathLike, *, overwrite: bool, flag: str = "--out") -> Path:
+    """A file the user asked bayeswrap to write (``predict --out``), checked before any work starts.
+
+    Args:
+        path: the destination.
+        overwrite: whether an existing regular file may be replaced.
+        flag: the option's name, for the messages.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        UnsafePathError: if ``path`` is a symbolic link, a device, a pipe or a folder, or lies inside a
+            bayeswrap run folder (whose files only the run writes).
+        ValueError: if its folder does not exist or is not a folder, or it exists without ``overwrite``.
+    """
+    path = Path(path)
+    kind = file_kind(path)
+    if kind is not None:
+        raise UnsafePathError(f"{flag} {path} is {kind}; accepted: a path for a new or regular CSV file")
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "does not exist"
+        raise ValueError(f"{flag} {path}: its folder {parent} {what}; accepted: a file path in an existing folder")
+    run = enclosing_run_folder(path)
+    if run is not None:
+        raise UnsafePathError(f"{flag} {path} lies inside the bayeswrap run folder {run}, whose files only its run "
+                              "writes; accepted: a path outside run folders")
+    if path.exists() and not overwrite:
+        raise ValueError(f"{flag} {path} exists; pass --overwrite to replace it")
+    return path
+
+
 def open_existing(run_dir: str | os.PathLike) -> RunLock:
     """Takes the lock of an existing run folder, to continue it (``--resume``).
 
@@ -254,11 +285,13 @@ class LoadedRun:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r} is not valid; accepted: an integer >= {low}")
         inputs = torch.as_tensor(inputs)
+        if inputs.dtype == torch.bool or inputs.is_complex():
+            raise ValueError(f"inputs of dtype {inputs.dtype} are not model inputs; accepted: real numbers")
         if inputs.ndim < 1 or tuple(inputs.shape[1:]) != tuple(self.input_shape):
             raise ValueError(f"inputs of shape {tuple(inputs.shape)} do not fit this run; accepted: "
                              f"(N, {', '.join(map(str, self.input_shape))})")
-        if not inputs.is_floating_point():
-            inputs = inputs.float()
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        inputs = inputs.to(dtype)  # integer or float64 arrays (numpy's default) in the model's dtype
         if not torch.isfinite(inputs).all():
             raise ValueError("inputs hold NaN or infinite values; accepted: finite numbers")
         batches = [(chunk, torch.zeros(len(chunk), dtype=torch.long)) for chunk in inputs.split(batch_size)]
@@ -295,6 +328,10 @@ def load_run(run_dir: str | os.PathLike, *, device: str | None = None) -> Loaded
     for name in ("config.yaml", "best.pt"):
         if not (run_dir / name).is_file():
             raise RunFolderError(f"{run_dir} is not a finished run folder: it has no {name}")
+    holder = RunLock(run_dir).owner()
+    if holder is not None and holder != (os.getpid(), socket.gethostname()):
+        raise RunFolderError(f"run folder {run_dir} is being written by process {holder[0]} on {holder[1]} (e.g. "
+                             f"a fit --resume replacing best.pt); wait for it to finish")
     if not (run_dir / "metrics.json").is_file():  # best.pt is final (Laplace curvature, SGLD draws) only then
         raise RunFolderError(f"the run in {run_dir} has not finished (no metrics.json); finish it first: "
                              f"bayeswrap fit --resume {run_dir}")
@@ -309,7 +346,7 @@ def load_run(run_dir: str | os.PathLike, *, device: str | None = None) -> Loaded
     else:  # runs written before data.json existed: read the data once
         info = data_info(load_splits(cfg)[0], cfg)
     bnn, _, _, backbone = build_model(cfg, info, for_evaluation=True)
-    state = load_checkpoint(run_dir / "best.pt")
+    state = load_checkpoint(run_dir / "best.pt", inside=run_dir)
     try:
         bnn.load_state_dict(state)
     except (RuntimeError, ValueError, KeyError, TypeError) as err:

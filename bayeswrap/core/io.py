@@ -1,4 +1,10 @@
-"""Atomic file output (a reader never sees a half-written file) and safe checkpoint loading."""
+"""Atomic file output (a reader never sees a half-written file) and safe checkpoint loading.
+
+Every write goes through :func:`atomic_write` (or, for an appended log, :func:`open_append`): a write never
+replaces or follows anything but a regular file, so a planted symbolic link, a device node (``/dev/null``), a
+named pipe or a folder at the destination is refused, never written through or renamed over
+(:class:`UnsafePathError`).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import errno
 import json
 import os
 import pickle
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +22,43 @@ import torch
 import yaml
 
 
+class UnsafePathError(ValueError):
+    """A destination or source that is a symbolic link, a device, a pipe, a folder or outside its run folder."""
+
+
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(path: str | os.PathLike) -> str | None:
+    """What ``path`` is when it exists and is not a regular file ("a symbolic link", "a character device", ...);
+    None for a regular file or a missing path (a link is not followed).
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def check_replaceable(path: str | os.PathLike) -> None:
+    """Refuses a destination that exists and is not a regular file.
+
+    Raises:
+        UnsafePathError: naming the path and what it is.
+    """
+    kind = file_kind(path)
+    if kind is not None:
+        raise UnsafePathError(f"refusing to write {path}: it is {kind}; accepted: a new file or a regular file")
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     """Calls ``write(tmp_path)`` on a temporary file beside ``path``, then renames it over ``path``.
+
+    The temporary file is ``.<name>.<pid>.<random>.tmp``; :func:`remove_stale_tmp_of` removes those a killed
+    writer left.
 
     Args:
         path: destination; parent folders are created.
@@ -25,10 +67,16 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     Returns:
         ``path`` as a ``Path``. On error the temporary file is removed and
         ``path`` is left as it was.
+
+    Raises:
+        UnsafePathError: if ``path`` exists and is not a regular file (a symbolic
+            link, a device such as ``/dev/null``, a pipe or a folder): it is
+            neither written through nor replaced.
     """
     path = Path(path)
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)
@@ -44,6 +92,59 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
                                         f"({type(err).__name__}: {err}); {path} is unchanged") from err
         raise
     return path
+
+
+def remove_stale_tmp_of(path: str | os.PathLike) -> list[Path]:
+    """Removes the temporary files of :func:`atomic_write` for ``path`` whose writing process is gone.
+
+    Returns:
+        The removed files (regular files named ``.<name>.<pid>.*.tmp`` with ``pid`` not a live process).
+    """
+    path = Path(path)
+    removed = []
+    for tmp in path.parent.glob(f".{glob_escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and file_kind(tmp) is None and not pid_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def glob_escape(name: str) -> str:
+    """``name`` with glob's special characters escaped."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (one owned by another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # exists, owned by someone else (or not a pid)
+        return True
+    return True
+
+
+def open_append(path: str | os.PathLike):
+    """Opens a log file for appending (UTF-8 text), never through a symbolic link or into a non-regular file.
+
+    Raises:
+        UnsafePathError: if ``path`` is a symbolic link or exists and is not a regular file.
+    """
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    check_replaceable(path)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafePathError(f"refusing to write {path}: it is a symbolic link; accepted: a new file or a "
+                                  "regular file") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the check and the open
+        os.close(fd)
+        raise UnsafePathError(f"refusing to write {path}: it is not a regular file")
+    return os.fdopen(fd, "a", encoding="utf-8")
 
 
 def _disk_full(err: BaseException) -> bool:
@@ -78,19 +179,27 @@ class CheckpointError(ValueError):
     """A checkpoint or weights file that is missing, unreadable or does not match; the message names the file."""
 
 
-def load_checkpoint(path, required: dict[str, type | tuple[type, ...]] | None = None) -> Any:
+def load_checkpoint(path, required: dict[str, type | tuple[type, ...]] | None = None, *,
+                    inside: str | os.PathLike | None = None) -> Any:
     """``torch.load(path, map_location="cpu", weights_only=True)``: never unrestricted pickle.
 
     Args:
         path: the file.
         required: optional ``{key: type}`` the loaded mapping must hold.
+        inside: optional folder (a run folder) the checkpoint must be a regular file of: a symbolic link, or a
+            path that resolves elsewhere, is refused.
 
     Raises:
         CheckpointError: naming the file, if it is missing, empty, truncated,
             not a torch checkpoint, pickles Python objects, or lacks a required
             key or holds one of the wrong type.
+        UnsafePathError: with ``inside``, for a symbolic link or a file outside that folder.
     """
     path = Path(path)
+    if inside is not None and (path.is_symlink() or path.resolve().parent != Path(inside).resolve()):
+        raise UnsafePathError(f"checkpoint {path} is a symbolic link or lies outside its run folder {inside}; "
+                              "accepted: a regular file in the run folder (bayeswrap never loads a checkpoint "
+                              "from elsewhere through a run folder)")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if path.stat().st_size == 0:
