@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bayeswrap as bw
+import bayeswrap.methods.laplace.curvature as curvature_module
 from bayeswrap.methods.laplace.curvature import LayerCurvature, ggn_vectors, nll_gradient_vectors
 
 DT = torch.float64
@@ -289,6 +290,32 @@ def test_glm_functional_variance(name):
         _assert_close({"mu": mu, "var": var}, {"mu": mu_ref, "var": var_ref}, f"{name} glm gaussian={gaussian}")
         out, ref = fast_bnn.predict(x), ref_bnn.predict(x)
         _assert_close({"p": out[0] if gaussian else out}, {"p": ref[0] if gaussian else ref}, "predict")
+
+
+def test_convolutions_with_one_output_position_take_the_linear_closed_form():
+    """A conv whose output is 1×1 (a ResNet's last stage on small images) is a Linear on its input patch: the
+    curvature and the GLM variance equal the vmap reference, and no per-example gradient is formed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 5, 4, stride=2, padding=1),
+                          nn.Tanh(), nn.Conv2d(5, 3, 2), nn.Flatten()).to(DT).eval()  # 4×4 → 2×2 → 1×1
+    x = torch.randn(5, 3, 4, 4, dtype=DT, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 2, 1, 1, 0])
+    calls = []
+    original = curvature_module._conv_weight_grads
+    try:
+        curvature_module._conv_weight_grads = lambda mod, a, d: (calls.append(mod), original(mod, a, d))[1]
+        for curvature in ("ggn", "empirical_fisher"):
+            fast_bnn, fast = _fit(model, x, y, "layers", curvature)
+            _, ref = _fit(model, x, y, "vmap", curvature)
+            _assert_close(fast, ref, f"one-position conv/{curvature}")
+            assert all(float(t.abs().max()) > 0 for t in ref.values())
+        ref_bnn = _wrap(model, "vmap", "ggn")
+        ref_bnn.load_state_dict(fast_bnn.state_dict())
+        (mu, var), (mu_ref, var_ref) = fast_bnn.functional_moments(x), ref_bnn.functional_moments(x)
+        _assert_close({"mu": mu, "var": var}, {"mu": mu_ref, "var": var_ref}, "one-position conv glm")
+    finally:
+        curvature_module._conv_weight_grads = original
+    assert calls and all(mod is not model[4] for mod in calls)  # only the convs with several positions
 
 
 def test_bad_backend_is_refused():

@@ -364,10 +364,18 @@ class LayerCurvature:
 
     def _contract(self, calls, uses, layer_names, deltas, acc, m: int, batch: int) -> None:
         """Adds the per-layer names' per-row gradients, from the recorded inputs and δ = deltas[call], to acc."""
-        chunked = []
+        chunked, patches = [], {}
         for name in layer_names:
             (i, attr), = uses[name][:1]
             call = calls[i]
+            d = deltas.get(i)
+            if len(uses[name]) == 1 and d is not None and _one_position_conv(call, d):
+                # a convolution with one output position is a Linear on its input patch: the closed form, without
+                # per-example gradients (e.g. the last stage of a ResNet on small images)
+                if i not in patches:
+                    patches[i] = _conv_patches(call.module, call.input)[..., 0]  # (B, C·kk)
+                acc.linear(name, attr, patches[i], d.flatten(2))
+                continue
             if len(uses[name]) == 1 and call.kind in ("linear", "layernorm", "groupnorm", "batchnorm") and (
                     call.kind != "linear" or call.input.dim() == 2):
                 d = deltas.get(i)
@@ -406,6 +414,11 @@ class LayerCurvature:
                     acc.rows_of(name, g, sl, owned)
 
 
+def _one_position_conv(call: _Call, d: torch.Tensor) -> bool:
+    """Whether a call is an ungrouped convolution with one output position (δ (m, B, out, 1, ...))."""
+    return call.kind == "conv" and call.module.groups == 1 and d.dim() > 3 and d[0, 0, 0].numel() == 1
+
+
 def _squared(g: torch.Tensor, owned: bool) -> torch.Tensor:
     """g², in place when g is a contiguous temporary that nothing else refers to (a fresh buffer costs page
     faults on CPU); vjp results may alias other tensors and are squared out of place.
@@ -428,10 +441,11 @@ class _Sums:
         self.total[name] += _squared(g, owned).sum((0, 1))
 
     def linear(self, name, attr, a, d):  # Linear on (B, in): Σ_m Σ_n (δ a ᵀ)² = (Σ_m δ²)ᵀ a² (Goodfellow 2015)
+        total = self.total[name]  # a one-position conv's weight is (out, in, *kernel): its patch is the input
         if attr == "bias":
-            self.total[name] += d.square().sum((0, 1))
+            total += d.square().sum((0, 1))
         else:
-            self.total[name] += d.square().sum(0).transpose(0, 1).matmul(a.square())
+            total += d.square().sum(0).transpose(0, 1).matmul(a.square()).reshape(total.shape)
 
 
 class _RowNorms:
@@ -451,7 +465,7 @@ class _RowNorms:
         if attr == "bias":
             self.rows[-1] += (d.square() * w).sum(-1)
         else:
-            self.rows[-1] += (d.square().matmul(w) * a.square()).sum(-1)
+            self.rows[-1] += (d.square().matmul(w.reshape(w.shape[0], -1)) * a.square()).sum(-1)
 
 
 # ---------------------------------------------------------------------- backward
@@ -540,8 +554,8 @@ def _per_row_grads(call: _Call, d: torch.Tensor, sl: slice, attrs=None) -> dict[
     return out
 
 
-def _conv_weight_grads(mod: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """Per-row conv weight gradients (m, c, out, in/groups, *kernel) from inputs a (c, C, ...) and δ (m, c, out, ...)."""
+def _conv_patches(mod: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    """The unfolded input patches of a Conv1d/Conv2d, (c, C·kk, L) for inputs a (c, C, ...): L output positions."""
     one_d = isinstance(mod, nn.Conv1d)
     kernel, stride, dilation = mod.kernel_size, mod.stride, mod.dilation
     if mod.padding_mode != "zeros" or isinstance(mod.padding, str):
@@ -553,9 +567,14 @@ def _conv_weight_grads(mod: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torc
     if one_d:
         a = a.unsqueeze(2)
         kernel, stride, dilation, padding = (1, *kernel), (1, *stride), (1, *dilation), (0, *padding)
+    return F.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
+
+
+def _conv_weight_grads(mod: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Per-row conv weight gradients (m, c, out, in/groups, *kernel) from inputs a (c, C, ...) and δ (m, c, out, ...)."""
     m, c, o = d.shape[:3]
     g = mod.groups
-    u = F.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)  # (c, C·kk, L)
+    u = _conv_patches(mod, a)  # (c, C·kk, L)
     length = u.shape[-1]
     u = u.reshape(c * g, -1, length)  # (c·g, C/g·kk, L)
     dd = d.reshape(m, c, g, o // g, length).permute(1, 2, 0, 3, 4).reshape(c * g, m * (o // g), length)
