@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from bayeswrap.core.checks import check_float, check_int
+from bayeswrap.core.checks import check_bool, check_float, check_int
 
 
 class SGLD(torch.optim.Optimizer):
@@ -201,7 +201,7 @@ class IVON(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for i, group in enumerate(self.param_groups):
             group.update(_check_ivon_hyper(**{k: group[k] for k in defaults}, where=f" (param group {i})"))
-        self.rescale_lr = bool(rescale_lr)
+        self.rescale_lr = check_bool("rescale_lr", rescale_lr)
         if not any(p in _IVON_LINKS for group in self.param_groups for p in group["params"]):
             warnings.warn("none of the parameters given to bayeswrap.optim.IVON is the mean of a bayeswrap IVON "
                           "model, so all of them get plain heavy-ball SGD; pass bnn.param_groups() of "

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bayeswrap.core.batches import batch_pair, check_inputs_finite
+from bayeswrap.core.batches import batch_pair, check_inputs_finite, class_labels, to_device
 from bayeswrap.core.checks import check_int
 from bayeswrap.core.likelihoods import at_least_float32
 from bayeswrap.evaluation import calibration
@@ -37,7 +37,9 @@ def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generato
 
     Args:
         bnn: a Bayesian model (its train/eval mode is used as it is).
-        loader: iterable of ``(inputs, targets)`` batches.
+        loader: iterable of ``(inputs, targets)`` batches; inputs are a tensor, a tuple of
+            tensors (``model(x1, x2)``) or a dict of named tensors, nested structures
+            included, moved to bnn's device (:func:`bayeswrap.core.batches.to_device`).
         num_samples: S (0 = posterior mean), see :meth:`BayesianModel.predict`.
         generator: optional ``torch.Generator``.
         allow_point_estimate: if the posterior does not exist yet (Laplace before
@@ -47,13 +49,14 @@ def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generato
 
     Returns:
         ``(predictive, targets)``: for a categorical likelihood ``probs`` (N, K)
-        float32 and labels (N,) int64; for a Gaussian one ``(mean, var)``
-        each (N, D) and targets (N, D). All on the CPU.
+        float32 and labels (N,) int64 (labels of a narrower integer dtype are cast);
+        for a Gaussian one ``(mean, var)`` each (N, D) and targets (N, D). All on the CPU.
 
     Raises:
         ValueError: if ``num_samples`` is not an integer >= 0, the loader yields
-            no batches or something other than ``(inputs, targets)`` pairs, or as
-            :meth:`BayesianModel.predict` (non-finite inputs, mis-shaped outputs).
+            no batches or something other than ``(inputs, targets)`` pairs (or targets
+            that are not a tensor), or as :meth:`BayesianModel.predict` (non-finite
+            inputs, mis-shaped outputs).
         NotFittedError: if the posterior does not exist yet and ``allow_point_estimate`` is False.
     """
     num_samples = check_int("num_samples", num_samples, minimum=0)
@@ -61,14 +64,14 @@ def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generato
     preds, targets = [], []
     for index, batch in enumerate(loader):
         x, y = batch_pair(batch, f"the loader's batch {index}")
-        x = x.to(device)
+        x = to_device(x, device)
         if bnn.is_ready() or not allow_point_estimate:
             p = bnn.predict(x, num_samples=num_samples, generator=generator)
         else:
             check_inputs_finite(x)
             p = bnn._point_predictive(x)
         preds.append(tuple(t.cpu() for t in p) if isinstance(p, tuple) else p.cpu())
-        targets.append(y.cpu())
+        targets.append(_targets_on_cpu(bnn, y))
     if not preds:
         raise ValueError("the loader yielded no batches")
     y = torch.cat(targets)
@@ -89,7 +92,7 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
 
     Args:
         bnn: a Bayesian model with a categorical likelihood (its train/eval mode is used as it is).
-        loader: iterable of ``(inputs, targets)`` batches.
+        loader: iterable of ``(inputs, targets)`` batches, inputs as in :func:`predict_loader`.
         num_samples: S ≥ 0; ``0`` evaluates the posterior mean once (an ensemble: each member's mean).
         generator: optional ``torch.Generator`` for reproducible samples.
 
@@ -102,7 +105,8 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
     Raises:
         ValueError: for a Gaussian likelihood, ``num_samples`` not an integer >= 0, a
             loader that yields no batches or something other than ``(inputs, targets)``
-            pairs, non-finite inputs, or outputs that are not (B, K) logits.
+            pairs (or targets that are not a tensor), non-finite inputs, or outputs that
+            are not (B, K) logits.
         NotFittedError: if the posterior does not exist yet.
     """
     if bnn.likelihood.name != "categorical":
@@ -113,7 +117,7 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
     probs, targets = [], []
     for index, batch in enumerate(loader):
         x, y = batch_pair(batch, f"the loader's batch {index}")
-        x = x.to(device)
+        x = to_device(x, device)
         if num_samples == 0:
             bnn._check_ready()
             check_inputs_finite(x)
@@ -122,10 +126,19 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
             outs = bnn.sample_logits(x, num_samples, generator=generator)
         bnn.likelihood.check_outputs(outs[0])
         probs.append(at_least_float32(outs).softmax(-1).cpu())
-        targets.append(y.cpu())
+        targets.append(_targets_on_cpu(bnn, y))
     if not probs:
         raise ValueError("the loader yielded no batches")
     return torch.cat(probs, 1), torch.cat(targets)
+
+
+def _targets_on_cpu(bnn: BayesianModel, y) -> torch.Tensor:
+    """One batch's targets on the CPU; class labels of any integer dtype as int64."""
+    if not isinstance(y, torch.Tensor):
+        raise ValueError(f"the loader's targets are a {type(y).__name__}; accepted: a tensor of class labels (B,) "
+                         "or regression targets (B, D)")
+    y = y.cpu()
+    return class_labels(y) if bnn.likelihood.name == "categorical" else y
 
 
 def score(bnn: BayesianModel, predictive, targets: torch.Tensor) -> dict[str, float]:

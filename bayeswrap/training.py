@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from bayeswrap.core import distributed
-from bayeswrap.core.batches import batch_pair
+from bayeswrap.core.batches import NonFiniteInputError, batch_pair, batch_size, class_labels, tensor_leaves, to_device
 from bayeswrap.core.checks import check_float, check_int
 from bayeswrap.core.functional import nonfinite_names
 from bayeswrap.core.schedules import check_factor
@@ -71,7 +71,11 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
     Args:
         bnn: the Bayesian model; batches are moved to its device.
         train_loader: any iterable of ``(inputs, targets)`` pairs (a DataLoader, a list);
-            if it has ``set_epoch(epoch)``, that is called before each epoch.
+            if it has ``set_epoch(epoch)``, that is called before each epoch. Inputs are a
+            tensor, a tuple of tensors (the model is called as ``model(x1, x2)``) or a dict
+            of named tensors, nested structures included (:mod:`bayeswrap.core.batches`);
+            every tensor is moved to bnn's device. Class
+            labels of any integer dtype (int32, int16, uint8, ...) are read as int64.
         epochs: total number of epochs, an integer ≥ 1.
         optimizer: a ``torch.optim`` optimizer over ``bnn.parameters()`` (or
             ``bnn.param_groups()``); must be :class:`bayeswrap.optim.SGLD` for an
@@ -195,10 +199,17 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                    leave=False)  # None: tqdm's own check, off when stderr is not a terminal
         for step, batch in enumerate(bar):
             x, y = batch_pair(batch, f"train_loader batch {step} of epoch {epoch + 1}")
-            x, y = x.to(device), y.to(device)
+            x, y = to_device(x, device), to_device(y, device)
+            if classification:
+                y = class_labels(y)  # int32, int16, uint8 ... labels as the int64 that cross_entropy needs
             optimizer.zero_grad(set_to_none=True)
             with autocast():
-                out = _loss(bnn, x, y, kl_factor)
+                try:
+                    out = _loss(bnn, x, y, kl_factor)
+                except NonFiniteInputError as err:  # the loss's own check: diagnosed below with the epoch and step
+                    if err.output is None:
+                        raise
+                    out = err.output
             loss_value = out.loss.item()
             finite = math.isfinite(loss_value)
             if not finite and not parallel:
@@ -208,7 +219,8 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                 raise FloatingPointError(message)
             (out.loss if scaler is None else scaler.scale(out.loss)).backward()
             if parallel:  # the global batch's gradient; a non-finite loss anywhere stops every rank
-                _, all_finite = distributed.all_reduce_gradients_(trainable_params, x.shape[0], loss_finite=finite)
+                _, all_finite = distributed.all_reduce_gradients_(trainable_params, batch_size(x),
+                                                                    loss_finite=finite)
                 if not all_finite:
                     message = _diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, updates) if not finite else (
                         f"non-finite loss on another rank at epoch {epoch + 1}, step {step + 1} (this rank's "
@@ -407,9 +419,8 @@ def _diagnose_nonfinite_loss(bnn: BayesianModel, out, x, y, epoch: int, step: in
     """
     head = (f"non-finite loss {out.loss.item()} (nll={out.nll.item()}, kl={out.kl.item()}) at epoch {epoch + 1}, "
             f"step {step + 1}")
-    parts = x if isinstance(x, (tuple, list)) else (x,)
-    for t in parts:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    for _, t in tensor_leaves(x):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             return (f"{head}: the input batch contains {int((~torch.isfinite(t)).sum())} non-finite values "
                     "(NaN or inf); check the data (the parameters are unchanged by this step)")
     if isinstance(y, torch.Tensor) and y.is_floating_point() and not bool(torch.isfinite(y).all()):

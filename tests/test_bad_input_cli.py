@@ -164,7 +164,7 @@ def test_bad_init_checkpoint_names_the_file(tmp_path, capsys, kind):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["evaluate", "RUN", "--num-samples", "abc"], r"--num-samples 'abc' is not valid; accepted: an integer >= 0"),
+    (["evaluate", "RUN", "--num-samples", "abc"], r"--num-samples 'abc' is not valid; accepted: an integer in \[0, 100000\]"),
     (["evaluate", "RUN", "--num-samples", "-1"], r"--num-samples '-1' is not valid"),
     (["evaluate", "NOT_A_RUN"], r"is not a finished run folder"),
     (["predict", "RUN", "X", "--batch-size", "0"], r"--batch-size '0' is not valid; accepted: an integer >= 1"),

@@ -46,15 +46,21 @@ from bayeswrap.app.config import (
     FIELDS,
     RESUME_ALLOWED,
     RunConfig,
+    check_compare_record,
+    check_method_list,
+    check_sample_counts,
     coerce,
     load_run_config,
     load_yaml,
+    needs_validation_data,
+    read_json_file,
     read_yaml_file,
     resolve,
     resolve_values,
 )
 from bayeswrap.app.options import all_option_specs, option_specs, option_users
 from bayeswrap.core import distributed
+from bayeswrap.core.checks import MAX_PREDICTIVE_SAMPLES, check_device, check_seed
 from bayeswrap.core.io import (
     CheckpointError,
     UnsafePathError,
@@ -327,8 +333,11 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
 
 
 def _restore(path: Path, bnn, optimizer, cfg: RunConfig) -> dict:
-    """Loads ``last.pt`` into the model and optimizer; the config's lr (and momentum, weight decay) win."""
-    ckpt = load_checkpoint(path, required=LAST_CHECKPOINT_KEYS, inside=path.parent)
+    """Loads ``last.pt`` into the model and optimizer; the config's lr (and momentum, weight decay) win.
+
+    Every field is checked (:func:`check_last_checkpoint`) before anything is loaded.
+    """
+    ckpt = check_last_checkpoint(load_checkpoint(path, required=LAST_CHECKPOINT_KEYS, inside=path.parent), path)
     if ckpt["epoch"] > cfg.epochs:
         raise ValueError(f"--resume: epochs={cfg.epochs} is below the {ckpt['epoch']} epochs the run in "
                          f"{path.parent} has already trained; accepted: epochs >= {ckpt['epoch']}")
@@ -343,6 +352,46 @@ def _restore(path: Path, bnn, optimizer, cfg: RunConfig) -> dict:
             if key in new:
                 group[key] = new[key]
         group["initial_lr"] = new["lr"]
+    return ckpt
+
+
+def check_last_checkpoint(ckpt: dict, path: Path) -> dict:
+    """The fields of ``last.pt`` beyond their types (:data:`LAST_CHECKPOINT_KEYS`), checked before any is used.
+
+    ``rng`` must be a CPU random state that ``torch.set_rng_state`` takes (tried on a spare generator, so the
+    process's own state is untouched); ``epoch`` >= 0; ``best_epoch`` in [0, epoch]; ``history`` a list of
+    ``epoch`` records (mappings); ``best_val_nll`` a number; ``scaler``, if present, a mapping.
+
+    Raises:
+        CheckpointError: naming the file, the field and the value, and what is accepted.
+    """
+    def bad(field: str, value, accepted: str):
+        return CheckpointError(f"checkpoint {path}: {field}={value} is not valid; accepted: {accepted}")
+
+    rng = ckpt["rng"]
+    shown = f"tensor(dtype={rng.dtype}, shape={tuple(rng.shape)})"
+    expected = torch.get_rng_state()
+    if rng.dtype != torch.uint8 or rng.dim() != 1 or rng.layout != torch.strided or rng.is_meta:
+        raise bad("rng", shown, f"the uint8 vector of torch.get_rng_state() (shape {tuple(expected.shape)})")
+    try:
+        torch.Generator().set_state(rng.clone())
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise bad("rng", shown, f"the uint8 vector of torch.get_rng_state() (shape {tuple(expected.shape)}); "
+                                f"torch refuses it: {str(err).splitlines()[0]}") from None
+    epoch = ckpt["epoch"]
+    if isinstance(epoch, bool) or epoch < 0:
+        raise bad("epoch", repr(epoch), "an integer >= 0")
+    best = ckpt["best_epoch"]
+    if isinstance(best, bool) or not 0 <= best <= epoch:
+        raise bad("best_epoch", repr(best), f"an integer in [0, epoch={epoch}]")
+    history = ckpt["history"]
+    if len(history) != epoch or not all(isinstance(r, dict) for r in history):
+        raise bad("history", f"a list of {len(history)} entries", f"one record (a mapping) per trained epoch, "
+                                                                    f"{epoch}")
+    if "scaler" in ckpt and not isinstance(ckpt["scaler"], dict):
+        raise bad("scaler", type(ckpt["scaler"]).__name__, "a mapping (the GradScaler state)")
+    if "resumes" in ckpt and not isinstance(ckpt["resumes"], list):
+        raise bad("resumes", type(ckpt["resumes"]).__name__, "a list")
     return ckpt
 
 
@@ -752,14 +801,10 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
             raise ValueError(f"--resume {base}: no compare.yaml there; accepted: a folder written by bayeswrap "
                              f"compare")
 
-        saved = read_yaml_file(saved_path)
-        try:
-            file_values = {k: coerce(k, v) for k, v in saved["config_file"].items()}
-            saved_overrides = {k: coerce(k, v) for k, v in saved["overrides"].items()}
-            methods, sample_counts, tune_options = list(saved["methods"]), list(saved["num_samples"]), \
-                bool(saved["tune"])
-        except (KeyError, TypeError, AttributeError, ValueError) as err:
-            raise ValueError(f"{saved_path} is not a valid comparison record ({err})") from None
+        saved = check_compare_record(read_yaml_file(saved_path, what="comparison record"), saved_path)
+        file_values, saved_overrides = saved["config_file"], saved["overrides"]
+        methods, sample_counts, tune_options = saved["methods"], saved["num_samples"], saved["tune"]
+        check_method_list(methods, flag=f"{saved_path}: methods")
         first = resolve_values(file_values, {**saved_overrides, "method": methods[0]}, foreign_flags="drop")
         before = {**first.to_dict(), **first.method_options}
         for key, value in overrides.items():
@@ -775,10 +820,8 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
                      "out_dir": str(base.parent), "run_name": base.name}
     else:
         file_values = load_yaml(config_path) if config_path else {}
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise ValueError(f"--methods {','.join(unknown or methods) or repr('')} not known; accepted: "
-                         f"{', '.join(METHODS)}")
+    check_method_list(methods)
+    check_sample_counts(sample_counts)
     users = option_users()
     foreign = [k for k in overrides if k in users and not set(users[k]) & set(methods)]
     if foreign:
@@ -786,6 +829,11 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
                          f"{foreign[0]} is an option of {', '.join(users[foreign[0]])}")
     # validate every method first (each method's options are checked by its constructor)
     configs = {m: resolve_values(file_values, {**overrides, "method": m}, foreign_flags="drop") for m in methods}
+    blind = [m for m in needs_validation_data(methods, tune_options, _knob) if configs[m].val_fraction == 0]
+    if blind:
+        raise ValueError(f"val_fraction=0 leaves no validation data, which tuning needs for {', '.join(blind)} "
+                         f"(each candidate, and Laplace's post hoc prior precision, is scored by validation NLL); "
+                         f"accepted: val_fraction in (0, 1), or --no-tune to keep the configured values")
     cfg = configs[methods[0]]
     base = Path(cfg.out_dir) / (cfg.run_name or f"compare-{cfg.dataset}-{cfg.model.replace(':', '_')}")
     command = f"bayeswrap compare --resume {base}"
@@ -932,8 +980,8 @@ def read_tuning_file(path: Path, method: str) -> dict:
             is not a finite number.
     """
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        record = read_json_file(path, what="tuning record")
+    except (OSError, ValueError) as err:
         raise ValueError(f"{path} is not a readable tuning record ({err}); delete it to tune {method} again") \
             from None
     options = record.get("options") if isinstance(record, dict) else None
@@ -1035,8 +1083,10 @@ def make_parser() -> argparse.ArgumentParser:
                                                                "written atomically, never inside RUN_DIR's files")
     p_pr.add_argument("--batch-size", default="128", help="inputs per forward pass (default: 128)")
     p_pr.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    p_pr.add_argument("--device", default=None, help="device (default: the run's)")
-    p_pr.add_argument("--seed", default="0", help="seed of the posterior samples (default: 0)")
+    p_pr.add_argument("--device", default=None, help="device: auto, cpu, cuda, cuda:N or mps, where available "
+                                                     "(default: the run's)")
+    p_pr.add_argument("--seed", default="0", help="seed of the posterior samples, an integer in [0, 2^63 - 1] "
+                                                  "(default: 0)")
     return parser
 
 
@@ -1076,9 +1126,11 @@ def csv_text(value: str) -> str:
 
 def _predict_command(args) -> int:
 
-    s = None if args.num_samples is None else _count("num_samples", args.num_samples, 0)
+    s = None if args.num_samples is None else _count("num_samples", args.num_samples, 0, MAX_PREDICTIVE_SAMPLES)
     batch_size = _count("batch_size", args.batch_size, 1)
-    seed = _count("seed", args.seed, 0)
+    seed = check_seed("--seed", args.seed)
+    if args.device is not None:
+        check_device("--device", args.device, available=True)
     out = runs.check_user_output(args.out, overwrite=args.overwrite)
     run = runs.load_run(args.run_dir, device=args.device)
     inputs, names = load_inputs(args.inputs, run.transform, run.input_shape)
@@ -1095,14 +1147,15 @@ def _predict_command(args) -> int:
     return 0
 
 
-def _count(name: str, text, minimum: int) -> int:
-    """A command-line count: an integer >= minimum, or a ValueError naming it."""
+def _count(name: str, text, minimum: int, maximum: float = math.inf) -> int:
+    """A command-line count: an integer in [minimum, maximum], or a ValueError naming it."""
     try:
         value = float(text)
     except (TypeError, ValueError):
         value = math.nan
-    if not (math.isfinite(value) and value.is_integer() and value >= minimum):
-        raise ValueError(f"--{name.replace('_', '-')} {text!r} is not valid; accepted: an integer >= {minimum}")
+    if not (math.isfinite(value) and value.is_integer() and minimum <= value <= maximum):
+        bound = f">= {minimum}" if maximum == math.inf else f"in [{minimum}, {maximum:g}]"
+        raise ValueError(f"--{name.replace('_', '-')} {text!r} is not valid; accepted: an integer {bound}")
     return int(value)
 
 
@@ -1130,7 +1183,7 @@ def main(argv: list[str] | None = None) -> int:
                 for handler in logging.getLogger().handlers:
                     handler.setLevel(logging.ERROR)
         if args.command == "evaluate":
-            s = None if args.num_samples is None else _count("num_samples", args.num_samples, 0)
+            s = None if args.num_samples is None else _count("num_samples", args.num_samples, 0, MAX_PREDICTIVE_SAMPLES)
             report = evaluate_run(args.run_dir, s)
             print(f"S={report['num_samples']}: " + ", ".join(f"{k}={report['T1'][k]:.4f}"
                                                                for k in ("error", "ece", "mce", "nll")))

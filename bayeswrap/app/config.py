@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import os
+import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import yaml
 
-from bayeswrap.app.options import coerce_option, option_specs, option_users, parse_bool
-from bayeswrap.core.checks import SCALE_RANGE
+from bayeswrap.app.options import StrictLoader, coerce_option, option_specs, option_users, parse_bool
+from bayeswrap.core.checks import MAX_PREDICTIVE_SAMPLES, SCALE_RANGE, check_device
 from bayeswrap.data.datasets import DATASETS
 from bayeswrap.methods import METHODS, wrap
 
@@ -72,7 +75,8 @@ class RunConfig:
     params: str = _f("", "comma-separated glob patterns of the Bayesian parameters; empty = all")
     kl_weight: float = _f(1.0, "weight of the KL/prior term (BayesDLL kld)")
     num_data_inflate: float = _f(1.0, "num_data = train size x this factor (BayesDLL Ninflate)")
-    num_samples: int = _f(5, "posterior samples S for test predictions (0 = posterior mean; BayesDLL nst)")
+    num_samples: int = _f(5, "posterior samples S for test predictions (0 = posterior mean; at most "
+                          f"{MAX_PREDICTIVE_SAMPLES:,}; BayesDLL nst)")
     burn_in_epochs: str = _f("auto", "sgld: burn-in in epochs (converted to optimizer steps), or auto (the first "
                              "half of training)")
     noise_scale: float = _f(1.0, "sgld: Langevin noise multiplier (BayesDLL nd); < 1 is a cold posterior, "
@@ -94,7 +98,7 @@ class RunConfig:
     grad_clip_norm: float = _f(0.0, "clip the gradient norm to this value; 0 = no clipping")
     batch_size: int = _f(32, "batch size")
     seed: int = _f(0, "random seed (data split, initialisation, sampling), an integer in [0, 2^32 - 1]")
-    device: str = _f("auto", "auto (cuda if available), cpu, cuda, cuda:N")
+    device: str = _f("auto", "auto (cuda if available), cpu, cuda, cuda:N, mps")
     amp: str = _f("none", "mixed precision of the training forward passes: none, bf16 (bfloat16 autocast) or fp16 "
                   "(float16 autocast with a gradient scaler); a bare --amp, true or yes mean bf16, false means none")
     num_workers: int = _f(0, "DataLoader worker processes")
@@ -150,6 +154,7 @@ class RunConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not a boolean; accepted: true, false")
         check_run_name(self.run_name)
+        check_device("device", self.device)  # the form only: a saved config may come from another machine
         if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
             raise ValueError(f"out_dir={self.out_dir!r} is a file; accepted: a folder (created if missing)")
         self.rotation_angles(), self.noise_stds(), self.held_out_classes()  # parse (raises on bad lists)
@@ -177,9 +182,13 @@ class RunConfig:
     def check_method_options(self) -> None:
         """Checks ``method_options`` by the method's own constructor, on a two-weight stand-in model.
 
+        A full-batch sampler's ``run_chains`` options are checked by its ``check_run_options`` (before any
+        sampling), including the kept draws per chain that the diagnostics of every run need.
+
         Raises:
             ValueError: for an option the method does not take (listing those it does), or a value the
-                method's constructor refuses (its message names the value and the accepted ones).
+                method's constructor (or ``check_run_options``) refuses (its message names the value and the
+                accepted ones).
         """
         if not isinstance(self.method_options, dict):
             raise ValueError(f"method_options={self.method_options!r} is not a mapping {{option: value}}")
@@ -190,8 +199,19 @@ class RunConfig:
                 raise ValueError(f"{name} is not an option of method {self.method!r}" + (
                     f" (it is an option of {', '.join(users)})" if users else "") +
                     f"; accepted: {', '.join(specs) or 'none'}")
-        wrap(torch.nn.Linear(2, 2), self.method, num_data=10, prior_std=self.prior_std, bias=self.bias,
-             kl_weight=self.kl_weight, **self.method_arguments("init"))
+        stand_in = wrap(torch.nn.Linear(2, 2), self.method, num_data=10, prior_std=self.prior_std, bias=self.bias,
+                        kl_weight=self.kl_weight, **self.method_arguments("init"))
+        check_run = getattr(stand_in, "check_run_options", None)
+        if check_run is not None:
+            run = self.method_arguments("run")
+            try:
+                check_run(**run)
+            except ValueError as err:  # name the run options as the command line does (num_samples: chain_samples)
+                text = str(err)
+                for argument, option in {s.argument: n for n, s in option_specs(self.method).items()
+                                         if s.target == "run" and s.argument != n}.items():
+                    text = re.sub(rf"\b{argument}\b", option, text)
+                raise ValueError(f"method={self.method!r}: {text}") from None
 
     def method_arguments(self, target: str) -> dict[str, Any]:
         """The given method options as arguments of the constructor (``"init"``) or of ``run_chains`` (``"run"``).
@@ -290,7 +310,8 @@ def amp_value(value: Any) -> str:
 RANGES: dict[str, tuple[Any, str]] = {
     "epochs": (lambda v: v >= 1, "an integer >= 1"),
     "batch_size": (lambda v: v >= 1, "an integer >= 1"),
-    "num_samples": (lambda v: v >= 0, "an integer >= 0"),
+    "num_samples": (lambda v: 0 <= v <= MAX_PREDICTIVE_SAMPLES,
+                    f"an integer >= 0 and <= {MAX_PREDICTIVE_SAMPLES} (posterior samples of the predictive)"),
     "img_size": (lambda v: v >= 0, "an integer >= 0"),
     "num_workers": (lambda v: v >= 0, "an integer >= 0"),
     "n_bins": (lambda v: v >= 1, "an integer >= 1"),
@@ -434,45 +455,96 @@ def from_values(values: dict[str, Any], *, foreign: str = "error") -> RunConfig:
     return RunConfig(**fields, method_options=options).validate()
 
 
-class StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a mapping with a duplicate key (PyYAML keeps the last one silently)."""
+#: the largest YAML file bayeswrap reads (a config, a run's config.yaml, a comparison's compare.yaml: a few KB)
+MAX_YAML_BYTES = 1 << 20
+#: the largest JSON file read back from a run folder (data.json, tuning_<method>.json, metrics.json)
+MAX_JSON_BYTES = 64 << 20
 
 
-def _no_duplicates(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
-        seen[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep=deep)
+def read_bounded(path: str | os.PathLike, max_bytes: int, what: str = "file", kind: str = "") -> bytes:
+    """The bytes of a regular file of at most ``max_bytes`` (the size is checked before reading, and the read is
+    capped, so a file that grows meanwhile or a device node cannot make it unbounded).
+
+    Args:
+        path: the file.
+        max_bytes: the bound.
+        what: how the messages name the file (``"config file"``, ``"run file"``).
+        kind: the format, for the messages (``"YAML"``: "accepted: a YAML file").
+
+    Raises:
+        FileNotFoundError: if it does not exist.
+        ValueError: naming the file, if it is a folder, a device, a pipe or another non-regular file, or larger
+            than ``max_bytes``.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {str(path)!r} does not exist") from None
+    accepted = f"a {kind} file" if kind else "a file"
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"{what} {str(path)!r} is a folder; accepted: {accepted}")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{what} {str(path)!r} is not a regular file (a device, pipe or socket); accepted: "
+                         f"{accepted}")
+    with open(path, "rb") as fh:
+        data = fh.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"{what} {str(path)!r} is larger than {max_bytes:,} bytes; accepted: a file of at most "
+                         f"{max_bytes:,} bytes")
+    return data
 
 
-StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
-
-
-def read_yaml_file(path: str | os.PathLike) -> Any:
-    """Parses a YAML file (UTF-8, no duplicate keys) with the safe loader.
+def read_yaml_file(path: str | os.PathLike, what: str = "config file") -> Any:
+    """Parses a YAML file (UTF-8, at most :data:`MAX_YAML_BYTES`, no anchors or aliases, no duplicate keys) with
+    the safe loader (:class:`~bayeswrap.app.options.StrictLoader`).
 
     Raises:
         FileNotFoundError: if the file does not exist.
-        ValueError: naming the file, for a folder, non-UTF-8 bytes, a syntax
-            error (with its line and column) or a duplicate key.
+        ValueError: naming the file, for a folder or other non-regular file, a file above the size bound,
+            non-UTF-8 bytes, a syntax error (with its line and column), an anchor or alias, or a duplicate key.
     """
-    if os.path.isdir(path):
-        raise ValueError(f"config file {str(path)!r} is a folder; accepted: a YAML file")
+    data = read_bounded(path, MAX_YAML_BYTES, what, "YAML")
     try:
-        with open(path, encoding="utf-8") as fh:
-            return yaml.load(fh, Loader=StrictLoader)
+        return yaml.load(data.decode("utf-8"), Loader=StrictLoader)
     except UnicodeDecodeError as err:
-        raise ValueError(f"config file {str(path)!r} is not UTF-8 text (byte {err.start}: "
+        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text (byte {err.start}: "
                          f"{err.object[err.start:err.start + 1]!r}); accepted: a UTF-8 YAML file") from None
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
         problem = getattr(err, "problem", None) or str(err)
-        raise ValueError(f"config file {str(path)!r} is not valid YAML{at}: {problem}") from None
+        raise ValueError(f"{what} {str(path)!r} is not valid YAML{at}: {problem}") from None
+
+
+def read_json_file(path: str | os.PathLike, max_bytes: int = MAX_JSON_BYTES, what: str = "run file") -> Any:
+    """Parses a JSON file read back from a run folder: a regular UTF-8 file of at most ``max_bytes``, with no
+    duplicate keys.
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: naming the file, for a non-regular file, a file above the size bound, non-UTF-8 bytes, a
+            syntax error (with its line and column) or a duplicate key.
+    """
+    data = read_bounded(path, max_bytes, what, "JSON")
+
+    def no_duplicates(pairs):
+        out = {}
+        for key, value in pairs:
+            if key in out:
+                raise ValueError(f"duplicate key {key!r}")
+            out[key] = value
+        return out
+
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{what} {str(path)!r} is not UTF-8 text (byte {err.start}); accepted: a JSON file "
+                         "written by bayeswrap") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{what} {str(path)!r} is not valid JSON at line {err.lineno}, column {err.colno}: "
+                         f"{err.msg}") from None
+    except ValueError as err:
+        raise ValueError(f"{what} {str(path)!r} is not valid: {err}") from None
 
 
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -548,14 +620,164 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
         FileNotFoundError: if the file does not exist.
         ValueError: naming the file, if it is not a valid run config.
     """
-    data = read_yaml_file(path)
+    data = read_yaml_file(path, what="run config")
     if not isinstance(data, dict):
         raise ValueError(f"{str(path)!r} is not a run config (a mapping of option: value)")
     data.pop("resume", None)
+    # run folders written before method options were read from the method classes hold every method's
+    # options as flat fields: each is kept for the method that takes it and dropped for the others; any other
+    # key was not written by bayeswrap
+    users = option_users()
+    unknown = [str(k) for k in data if not (isinstance(k, str) and (k in FIELDS or k in users))]
+    if unknown:
+        raise ValueError(f"{str(path)!r} is not a valid run config: {', '.join(map(repr, unknown))} is not a run "
+                         f"option; accepted: {', '.join(FIELDS)}, or a method option")
     try:
-        # run folders written before method options were read from the method classes hold every method's
-        # options as flat fields: each is kept for the method that takes it and dropped for the others
-        values = {k: coerce(k, v) for k, v in data.items() if k in FIELDS or k in option_users()}
+        values = {k: coerce(k, v) for k, v in data.items()}
         return from_values(values, foreign="drop")
     except (TypeError, ValueError) as err:
         raise ValueError(f"{str(path)!r} is not a valid run config: {err}") from None
+
+
+#: what ``data.json`` holds (:class:`bayeswrap.app.build.DataInfo`): field -> (check, accepted in words)
+_MAX_CLASSES = 1_000_000
+_MAX_SHAPE = 1 << 31
+
+
+def _shape(value) -> bool:
+    return isinstance(value, list) and 1 <= len(value) <= 8 and all(
+        isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= _MAX_SHAPE for v in value)
+
+
+DATA_JSON_FIELDS: dict[str, tuple[Any, str]] = {
+    "dataset": (lambda v: isinstance(v, str) and 0 < len(v) <= 255, "a dataset name (a non-empty string)"),
+    "class_names": (lambda v: isinstance(v, list) and 1 <= len(v) <= _MAX_CLASSES
+                    and all(isinstance(c, str) and len(c) <= 4096 for c in v),
+                    f"a list of 1 to {_MAX_CLASSES:,} class names (strings)"),
+    "input_shape": (_shape, "a list of 1 to 8 positive integers, e.g. [64] or [3, 224, 224]"),
+    "image_shape": (_shape, "a list of 1 to 8 positive integers, e.g. [1, 8, 8]"),
+    "num_train": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+    "steps_per_epoch": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+}
+
+
+def check_data_json(values: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """The fields of a run's ``data.json`` (as :func:`read_json_file` read them), checked against
+    :data:`DATA_JSON_FIELDS` before the model is rebuilt from them.
+
+    Returns:
+        ``values`` (the keyword arguments of :class:`bayeswrap.app.build.DataInfo`).
+
+    Raises:
+        ValueError: naming the file and the field, for a value that is not a mapping, a missing or unknown
+            field, or a field of the wrong type or range (``input_shape`` must be positive integers).
+    """
+    if not isinstance(values, dict):
+        raise ValueError(f"{str(path)!r} is not a data record (a mapping of field: value), but a "
+                         f"{type(values).__name__}")
+    unknown = [k for k in values if k not in DATA_JSON_FIELDS]
+    missing = [k for k in DATA_JSON_FIELDS if k not in values]
+    if unknown or missing:
+        raise ValueError(f"{str(path)!r} is not a valid data record: " + "; ".join(
+            ([f"unknown field(s) {', '.join(map(repr, unknown))}"] if unknown else []) +
+            ([f"missing field(s) {', '.join(missing)}"] if missing else [])) +
+            f"; accepted fields: {', '.join(DATA_JSON_FIELDS)}")
+    for name, (ok, accepted) in DATA_JSON_FIELDS.items():
+        if not ok(values[name]):
+            shown = repr(values[name])
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise ValueError(f"{str(path)!r}: {name}={shown} is not valid; accepted: {accepted}")
+    return values
+
+
+def check_compare_record(record: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """A comparison's ``compare.yaml`` (as :func:`read_yaml_file` read it), checked before any of it is used.
+
+    Returns:
+        ``{"config_file": {option: value}, "overrides": {option: value}, "methods": [str], "num_samples":
+        [int], "tune": bool}`` with the options coerced (:func:`coerce`).
+
+    Raises:
+        ValueError: naming the file and the field, for a missing or unknown field or a value of the wrong
+            type: ``methods`` a non-empty list of distinct method names, ``num_samples`` a non-empty list of
+            distinct integers in [0, MAX_PREDICTIVE_SAMPLES], ``tune`` a boolean (YAML true/false).
+    """
+    fields = ("config_file", "overrides", "methods", "num_samples", "tune")
+    if not isinstance(record, dict):
+        raise ValueError(f"{str(path)!r} is not a valid comparison record: not a mapping of field: value")
+    unknown = [str(k) for k in record if k not in fields]
+    missing = [k for k in fields if k not in record]
+    if unknown or missing:
+        raise ValueError(f"{str(path)!r} is not a valid comparison record: " + "; ".join(
+            ([f"unknown field(s) {', '.join(map(repr, unknown))}"] if unknown else []) +
+            ([f"missing field(s) {', '.join(missing)}"] if missing else [])) + f"; accepted fields: "
+            f"{', '.join(fields)}")
+    out: dict[str, Any] = {}
+    for name in ("config_file", "overrides"):
+        if not isinstance(record[name], dict):
+            raise ValueError(f"{str(path)!r}: {name}={record[name]!r} is not valid; accepted: a mapping of "
+                             "option: value")
+        try:
+            out[name] = {str(k): coerce(str(k), v) for k, v in record[name].items()}
+        except ValueError as err:
+            raise ValueError(f"{str(path)!r}: {name}: {err}") from None
+    methods = record["methods"]
+    if not (isinstance(methods, list) and methods and all(isinstance(m, str) for m in methods)):
+        raise ValueError(f"{str(path)!r}: methods={methods!r} is not valid; accepted: a non-empty list of method "
+                         f"names ({', '.join(METHODS)})")
+    counts = record["num_samples"]
+    if not (isinstance(counts, list) and counts and all(
+            isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= MAX_PREDICTIVE_SAMPLES for c in counts)):
+        raise ValueError(f"{str(path)!r}: num_samples={counts!r} is not valid; accepted: a non-empty list of "
+                         f"integers in [0, {MAX_PREDICTIVE_SAMPLES}]")
+    if not isinstance(record["tune"], bool):
+        raise ValueError(f"{str(path)!r}: tune={record['tune']!r} is not valid; accepted: true or false")
+    return {**out, "methods": list(methods), "num_samples": list(counts), "tune": record["tune"]}
+
+
+def check_method_list(methods: list[str], flag: str = "--methods") -> list[str]:
+    """A comparison's methods: known, at least one, each once.
+
+    Raises:
+        ValueError: naming the list, for an unknown or repeated method, or an empty list.
+    """
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ValueError(f"{flag} {','.join(unknown or methods) or repr('')} not known; accepted: "
+                         f"{', '.join(METHODS)}")
+    _refuse_repeats(flag, methods, "method once (each gets one run folder)")
+    return list(methods)
+
+
+def _refuse_repeats(flag: str, items: list, accepted: str) -> None:
+    """A ValueError naming the list and its repeated items, if an item appears more than once."""
+    repeated = list(dict.fromkeys(str(i) for i in items if items.count(i) > 1))
+    if repeated:
+        raise ValueError(f"{flag} {','.join(map(str, items))} lists {', '.join(repeated)} more than once; accepted: "
+                         f"each {accepted}")
+
+
+def check_sample_counts(counts: list[int], flag: str = "--num-samples") -> list[int]:
+    """A comparison's posterior sample counts S: at least one, each an integer in [0, MAX_PREDICTIVE_SAMPLES], each
+    once.
+
+    Raises:
+        ValueError: naming the list and the bad value.
+    """
+    if not counts:
+        raise ValueError(f"{flag}: no sample count given; accepted: comma-separated integers in "
+                         f"[0, {MAX_PREDICTIVE_SAMPLES}], e.g. 0,5")
+    for c in counts:
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= MAX_PREDICTIVE_SAMPLES:
+            raise ValueError(f"{flag} {','.join(map(str, counts))}: {c!r} is not valid; accepted: integers in "
+                             f"[0, {MAX_PREDICTIVE_SAMPLES:,}] (the predictive holds S x N x K probabilities)")
+    _refuse_repeats(flag, counts, "sample count once")
+    return list(counts)
+
+
+def needs_validation_data(methods: list[str], tune_options: bool, knob_of) -> list[str]:
+    """The methods of a comparison that need validation data: with ``tune_options``, every method with a tuned
+    knob (``knob_of(method)`` is not None), since each candidate is scored by its validation NLL (Laplace's
+    post hoc prior precision included); none without tuning.
+    """
+    return [m for m in methods if tune_options and knob_of(m) is not None]

@@ -28,7 +28,7 @@ import yaml
 from bayeswrap.methods import METHODS, method_option_defaults
 
 __all__ = ["OptionSpec", "option_specs", "all_option_specs", "coerce_option", "option_users", "parse_bool",
-           "SAMPLER_RENAMES"]
+           "SAMPLER_RENAMES", "StrictLoader", "YAMLAliasError"]
 
 #: ``run_chains`` argument -> run option name (``num_samples`` is the predictive's S on the command line)
 SAMPLER_RENAMES = {"num_samples": "chain_samples"}
@@ -145,24 +145,66 @@ def _kind(name: str) -> type | None:
 
 
 def parse_bool(name: str, value: Any) -> bool:
-    """A boolean option: True/False, or true/yes/on/1 and false/no/off/0 (any case).
+    """A boolean option of the command line or a YAML file: True/False, or the text or integer
+    true/yes/on/1 and false/no/off/0 (any case).
 
     Raises:
-        ValueError: naming the option and the value, for anything else.
+        ValueError: naming the option and the value, for anything else (other numbers, lists, None, ...).
     """
     if isinstance(value, bool):
         return value
+    if not isinstance(value, (str, int)):
+        raise ValueError(f"{name}={value!r} is not a boolean; accepted: true, false (also yes/no, on/off, 1/0)")
     text = str(value).strip().lower()
     if text in ("1", "true", "yes", "on"):
         return True
     if text in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{name}={value!r} is not a boolean; accepted: true, false")
+    raise ValueError(f"{name}={value!r} is not a boolean; accepted: true, false (also yes/no, on/off, 1/0)")
+
+
+class YAMLAliasError(yaml.composer.ComposerError):
+    """A YAML anchor (``&name``) or alias (``*name``): refused, since bayeswrap's files and values never need one
+    and aliases nested in aliases expand exponentially (a 1.5 KB "billion laughs" file exhausts memory).
+    """
+
+
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses anchors and aliases, and a mapping with a duplicate key (PyYAML keeps the
+    last one silently).
+
+    Anchors and aliases are refused while the document is parsed, before any node is built, so an alias bomb
+    fails at its first anchor in constant memory.
+    """
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            what = "alias" if isinstance(event, yaml.AliasEvent) else "anchor"
+            sign = "*" if what == "alias" else "&"
+            raise YAMLAliasError(None, None, f"YAML {what} {sign}{event.anchor} is not accepted (anchors and "
+                                 f"aliases are refused; write the value out)", event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def _no_duplicates(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
 
 
 def _parse_scalar(text: str) -> Any:
     """A command-line string as a number where it spells one (``1e-3`` too, which YAML 1.1 reads as text), else
-    as a YAML value (``true``, ``[250, 250]``), else the text itself.
+    as a YAML value (``true``, ``[250, 250]``; no anchors or aliases, see :class:`StrictLoader`), else the text
+    itself.
     """
     for kind in (int, float):
         try:
@@ -170,7 +212,9 @@ def _parse_scalar(text: str) -> Any:
         except ValueError:
             continue
     try:
-        parsed = yaml.safe_load(text)
+        parsed = yaml.load(text, Loader=StrictLoader)
+    except YAMLAliasError as err:
+        raise ValueError(f"{text[:60]!r}{'...' if len(text) > 60 else ''}: {err.problem}") from None
     except yaml.YAMLError:
         return text
     return text if parsed is None else parsed

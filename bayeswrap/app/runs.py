@@ -28,7 +28,8 @@ import torch
 
 from bayeswrap._version import __version__
 from bayeswrap.app.build import DataInfo, build_model, data_info, input_transform, load_splits
-from bayeswrap.app.config import load_run_config
+from bayeswrap.app.config import check_data_json, load_run_config, read_json_file
+from bayeswrap.core.checks import check_int
 from bayeswrap.core.io import CheckpointError, UnsafePathError, file_kind, load_checkpoint, pid_alive, write_text
 from bayeswrap.predictive import model_device, sample_probs_loader
 
@@ -268,9 +269,12 @@ class LoadedRun:
         """Class probabilities under each posterior sample.
 
         Args:
-            inputs: (N, *input_shape) float model inputs (see :attr:`transform`).
+            inputs: (N, *input_shape) model inputs (see :attr:`transform`): a tensor or a
+                numpy array (or nested lists) of real numbers; integer and float64 values
+                are converted, as they are, to the model's dtype.
             num_samples: S >= 0 (default: the run's ``num_samples``); 0 is the posterior mean.
-            batch_size: inputs per forward pass.
+                Python or numpy integers (and integral floats) are accepted.
+            batch_size: inputs per forward pass, an integer >= 1 (numpy integers accepted).
             seed: seed of the posterior samples (the same seed gives the same output).
 
         Returns:
@@ -280,11 +284,15 @@ class LoadedRun:
             ValueError: naming the value, for inputs of the wrong shape or with
                 non-finite values, or a bad ``num_samples``/``batch_size``.
         """
-        s = self.config.num_samples if num_samples is None else num_samples
-        for name, value, low in (("num_samples", s, 0), ("batch_size", batch_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r} is not valid; accepted: an integer >= {low}")
-        inputs = torch.as_tensor(inputs)
+        s = check_int("num_samples", self.config.num_samples if num_samples is None else num_samples, minimum=0)
+        batch_size = check_int("batch_size", batch_size, minimum=1)
+        if not isinstance(inputs, torch.Tensor):
+            try:  # a numpy array is copied first: torch cannot view negative strides or read-only memory
+                inputs = torch.as_tensor(inputs.copy() if hasattr(inputs, "__array_interface__") else inputs)
+            except (TypeError, ValueError, RuntimeError) as err:
+                raise ValueError(f"inputs of type {type(inputs).__name__} cannot be read as numbers ({err}); "
+                                 "accepted: a tensor or numpy array of real numbers, shape (N, "
+                                 f"{', '.join(map(str, self.input_shape))})") from None
         if inputs.dtype == torch.bool or inputs.is_complex():
             raise ValueError(f"inputs of dtype {inputs.dtype} are not model inputs; accepted: real numbers")
         if inputs.ndim < 1 or tuple(inputs.shape[1:]) != tuple(self.input_shape):
@@ -340,7 +348,8 @@ def load_run(run_dir: str | os.PathLike, *, device: str | None = None) -> Loaded
         cfg = replace(cfg, device=device).validate()
     if (run_dir / "data.json").is_file():
         try:
-            info = DataInfo(**json.loads((run_dir / "data.json").read_text(encoding="utf-8")))
+            info = DataInfo(**check_data_json(read_json_file(run_dir / "data.json", what="data record"),
+                                              run_dir / "data.json"))
         except (TypeError, ValueError) as err:
             raise ValueError(f"{run_dir / 'data.json'} is not valid ({err})") from None
     else:  # runs written before data.json existed: read the data once

@@ -1,17 +1,41 @@
 """Batch structure and input checks shared by training, prediction and every method.
 
-A loader batch is an ``(inputs, targets)`` pair; inputs are a tensor or a tuple of
-positional tensors. These helpers take a batch apart, check that floating inputs
-are finite, and find the device inputs live on.
+A loader batch is an ``(inputs, targets)`` pair. Inputs are a tensor, a tuple of
+positional tensors (the model is called as ``model(x1, x2)``), or a mapping of
+named tensors (e.g. a Hugging Face ``BatchEncoding``; how the model receives it is
+:func:`bayeswrap.core.functional.call`'s convention); lists and nested structures
+are moved and sliced like tuples, and leaves that are not tensors (a flag, a
+string) are passed through unchanged. These helpers take a
+batch apart, move and slice nested inputs, check that floating inputs are finite,
+find the device and the batch size of inputs, and cast narrow integer class labels.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-__all__ = ["batch_pair", "check_inputs_finite", "x_device"]
+__all__ = ["NonFiniteInputError", "batch_pair", "batch_size", "check_inputs_finite", "class_labels", "map_tensors",
+           "take", "tensor_leaves", "to_device", "unsqueeze", "x_device"]
+
+#: integer label dtypes cast to int64 by :func:`class_labels` (what ``cross_entropy`` needs)
+_NARROW_LABELS = frozenset(getattr(torch, name) for name in ("int8", "int16", "int32", "uint8", "uint16", "uint32",
+                                                             "uint64") if hasattr(torch, name))
+
+
+class NonFiniteInputError(ValueError):
+    """A floating model input holds NaN or inf (raised by :func:`check_inputs_finite`).
+
+    Attributes:
+        output: the loss output computed on the input, when :meth:`BayesianModel.loss`
+            raised it (so :func:`bayeswrap.fit` can report the loss with the epoch and
+            step); ``None`` otherwise.
+    """
+
+    def __init__(self, message: str, output=None):
+        super().__init__(message)
+        self.output = output
 
 
 def batch_pair(batch, where: str = "the loader"):
@@ -38,30 +62,115 @@ def batch_pair(batch, where: str = "the loader"):
                      "TensorDataset(x, y) or a list of (x, y) tuples (wrap other loaders so they yield pairs)")
 
 
-def check_inputs_finite(x, name: str = "x") -> None:
-    """Raises ValueError if a floating input tensor (or one of a tuple of inputs) holds a NaN or an infinity.
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], x):
+    """``fn`` applied to every tensor of a nested input (tensor / tuple / list / mapping), structure kept.
 
-    One ``torch.isfinite(x).all()`` per floating tensor (one device sync); non-tensor inputs are not inspected.
+    Tuples (named tuples too) and lists keep their type; a mapping becomes a
+    ``dict`` unless its type can be rebuilt from one (a ``dict`` subclass such as
+    ``OrderedDict``); leaves that are not tensors are returned as they are.
+    """
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, Mapping):
+        items = {k: map_tensors(fn, v) for k, v in x.items()}
+        if type(x) is dict:
+            return items
+        try:
+            return type(x)(items)
+        except Exception:  # a mapping type that cannot be built from a dict: a plain dict of the same items
+            return items
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
+        return type(x)(*(map_tensors(fn, v) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(map_tensors(fn, v) for v in x)
+    return x
 
-    Args:
-        x: a model input, or a tuple/list of positional inputs.
-        name: how the message names the input.
+
+def tensor_leaves(x, name: str = "x") -> Iterator[tuple[str, torch.Tensor]]:
+    """``(label, tensor)`` for every tensor of a nested input, labelled like ``x``, ``x[0]`` or ``x['ids']``."""
+    if isinstance(x, torch.Tensor):
+        yield name, x
+    elif isinstance(x, Mapping):
+        for k, v in x.items():
+            yield from tensor_leaves(v, f"{name}[{k!r}]")
+    elif isinstance(x, (tuple, list)):
+        for i, v in enumerate(x):
+            yield from tensor_leaves(v, f"{name}[{i}]")
+
+
+def to_device(x, device: torch.device | str, non_blocking: bool = False):
+    """A nested input (tensor / tuple / list / mapping) with every tensor moved to ``device``.
+
+    Tensors already there are returned as they are (``Tensor.to`` is a no-op); the
+    structure is kept (see :func:`map_tensors`), so the model is called as it would be
+    on the original inputs.
+    """
+    if isinstance(x, torch.Tensor):  # the common case, without the walk (it runs once per training step)
+        return x.to(device, non_blocking=non_blocking)
+    return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), x)
+
+
+def take(x, index):
+    """Rows ``index`` (a slice, an integer tensor, ...) of every tensor of a nested input: ``x[index]`` per tensor."""
+    return map_tensors(lambda t: t[index], x)
+
+
+def unsqueeze(x):
+    """A batch dimension of 1 added in front of every tensor of a nested input (one example as a batch)."""
+    return map_tensors(lambda t: t.unsqueeze(0), x)
+
+
+def batch_size(x) -> int:
+    """The batch size B of a nested input: dimension 0 of its first tensor.
 
     Raises:
-        ValueError: naming the input, its shape and the number of non-finite values.
+        ValueError: if the input holds no tensor, or only 0-d ones.
     """
-    parts = x if isinstance(x, (tuple, list)) else (x,)
-    for i, t in enumerate(parts):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel() \
-                and not bool(torch.isfinite(t).all()):
-            label = name if len(parts) == 1 and not isinstance(x, (tuple, list)) else f"{name}[{i}]"
+    for _, t in tensor_leaves(x):
+        if t.dim():
+            return int(t.shape[0])
+    raise ValueError(f"the inputs ({type(x).__name__}) hold no tensor with a batch dimension; accepted: a tensor, "
+                     "a tuple or list of tensors, or a dict of tensors, each of shape (B, ...)")
+
+
+def check_inputs_finite(x, name: str = "x") -> None:
+    """Raises :class:`NonFiniteInputError` (a ValueError) if a floating tensor of the input holds a NaN or an infinity.
+
+    One ``torch.isfinite(t).all()`` per floating tensor (one device sync each);
+    nested inputs (tuples, lists, mappings) are walked, and non-tensor leaves are not inspected.
+
+    Args:
+        x: a model input: a tensor, or a tuple/list/mapping of them.
+        name: how the message names the input (a part of it is named like ``x[0]`` or ``x['ids']``).
+
+    Raises:
+        NonFiniteInputError: naming the input (or its part), its shape and the number of non-finite values.
+    """
+    for label, t in tensor_leaves(x, name):
+        if t.is_floating_point() and not t.is_meta and t.numel() and not bool(torch.isfinite(t).all()):
             count = int((~torch.isfinite(t)).sum())
-            raise ValueError(f"{label} (shape {tuple(t.shape)}) contains {count} non-finite values (NaN or inf); "
-                             "accepted: finite inputs")
+            raise NonFiniteInputError(f"{label} (shape {tuple(t.shape)}) contains {count} non-finite values (NaN or "
+                                      "inf); accepted: finite inputs")
 
 
 def x_device(x) -> torch.device:
-    """The device of a model input (a tensor, or the first tensor of a tuple of inputs)."""
-    if isinstance(x, torch.Tensor):
-        return x.device
-    return next(t.device for t in x if isinstance(t, torch.Tensor))
+    """The device of a model input (a tensor, or the first tensor of a nested tuple/list/mapping of inputs).
+
+    Raises:
+        ValueError: if the input holds no tensor.
+    """
+    for _, t in tensor_leaves(x):
+        return t.device
+    raise ValueError(f"the inputs ({type(x).__name__}) hold no tensor; accepted: a tensor, a tuple or list of "
+                     "tensors, or a dict of tensors")
+
+
+def class_labels(y):
+    """Integer class labels as int64, which ``cross_entropy`` needs: int8/16/32 and unsigned labels are cast.
+
+    Anything else (int64, floating or bool tensors, non-tensors) is returned as it
+    is, for the likelihood's target check to accept or refuse.
+    """
+    if isinstance(y, torch.Tensor) and y.dtype in _NARROW_LABELS:
+        return y.long()
+    return y

@@ -149,3 +149,115 @@ def check_scale(name: str, value, *, allow_zero: bool = False) -> float:
         raise ValueError(f"{name}={value!r} must be {'0 or ' if allow_zero else ''}a number in "
                          f"[{SCALE_RANGE[0]:g}, {SCALE_RANGE[1]:g}] ({_SCALE_NOTE}){_not_a(value)}")
     return v
+
+
+def check_bool(name: str, value) -> bool:
+    """Validates a boolean option and returns it as a ``bool``.
+
+    Accepted: ``True``/``False``, numpy booleans and 0-d boolean tensors; refused:
+    everything else, strings included (``"false"`` is truthy in Python, so it is
+    never read as a flag here; the command line and YAML files parse
+    true/false/yes/no themselves, see :func:`bayeswrap.app.options.parse_bool`).
+
+    Raises:
+        ValueError: e.g. ``jitter='false' must be True or False, not str``.
+    """
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.bool and not value.is_meta:
+        return bool(value.item())
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    hint = " (a string is not parsed here: pass the Python value True or False)" if isinstance(value, str) else ""
+    raise ValueError(f"{name}={value!r} must be True or False, not {type(value).__name__}{hint}")
+
+
+#: the seeds ``bayeswrap predict --seed`` accepts (a ``torch.Generator`` seed, kept to a signed 64-bit integer)
+SEED_RANGE = (0, 2**63 - 1)
+
+
+def check_seed(name: str, value) -> int:
+    """A seed: an integer in :data:`SEED_RANGE`, given as a number or as command-line text (``"42"``).
+
+    Text is read exactly (``int("...")``, so a 19-digit seed is not rounded through a float); integral text
+    such as ``"1e3"`` is accepted too.
+
+    Raises:
+        ValueError: e.g. ``--seed '123456789012345678901' is not valid; accepted: an integer in
+            [0, 9223372036854775807] (2^63 - 1)`` (a command-line flag, ``--`` in ``name``) or
+            ``seed=-1 must be an integer in [0, 9223372036854775807]``.
+    """
+    number = value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            number = int(text)
+        except ValueError:
+            try:
+                as_float = float(text)
+            except ValueError:
+                as_float = math.nan
+            exact = math.isfinite(as_float) and as_float.is_integer() and abs(as_float) < 2**53
+            number = int(as_float) if exact else value
+    try:
+        return check_int(name, number, minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
+    except ValueError:  # name the value as given (the command line's text), not as parsed
+        if name.startswith("--"):
+            raise ValueError(f"{name} {value!r} is not valid; accepted: an integer in [{SEED_RANGE[0]}, "
+                             f"{SEED_RANGE[1]}] (2^63 - 1)") from None
+        raise ValueError(f"{name}={value!r} must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]") from None
+
+
+#: the device types a run accepts (``meta`` and the rest of torch's device types hold no data to compute on)
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+_DEVICES_ACCEPTED = "auto, cpu, cuda, cuda:N, mps"
+
+
+def check_device(name: str, value, *, available: bool = False, allow_auto: bool = True) -> str:
+    """A device option: ``auto`` (if ``allow_auto``), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``; returns the text.
+
+    Args:
+        name: the option's name, for the message (``device``, ``--device``).
+        value: the value given.
+        available: also require the device to exist on this machine (CUDA available and ``N`` below the
+            device count; MPS available). Off for a saved config, which may come from another machine.
+        allow_auto: whether ``auto`` (cuda if available, else cpu) is accepted.
+
+    Raises:
+        ValueError: naming the value and the accepted ones, e.g. ``device='meta' is not valid; accepted:
+            auto, cpu, cuda, cuda:N, mps (meta and other device types are not devices bayeswrap runs on)``.
+    """
+    accepted = _DEVICES_ACCEPTED if allow_auto else _DEVICES_ACCEPTED.replace("auto, ", "")
+    text = value.strip() if isinstance(value, str) else None
+    if text == "auto" and allow_auto:
+        return text
+    device = None
+    if text:
+        try:
+            device = torch.device(text)
+        except (RuntimeError, ValueError):
+            device = None
+    well_formed = device is not None and device.type in DEVICE_TYPES and (
+        text == device.type or (device.type == "cuda" and text == f"cuda:{device.index}"))
+    if not well_formed:
+        raise ValueError(f"{name}={value!r} is not valid; accepted: {accepted} (meta and other device types are "
+                         f"not devices bayeswrap runs on)")
+    if available:
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0 or (device.index is not None and device.index >= count):
+                raise ValueError(f"{name}={value!r} is not available on this machine ({count} CUDA device(s)); "
+                                 f"accepted here: cpu" + (f", cuda, cuda:0 ... cuda:{count - 1}" if count else "")
+                                 + (", mps" if _mps_available() else ""))
+        if device.type == "mps" and not _mps_available():
+            raise ValueError(f"{name}={value!r} is not available on this machine (no MPS backend); accepted here: "
+                             "cpu" + (", cuda, cuda:N" if torch.cuda.is_available() else ""))
+    return text
+
+
+def _mps_available() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+#: the most posterior samples S a run's predictive draws (``--num-samples``): the predictive holds S × N × K
+#: probabilities in memory (100,000 × 434 digits test images × 8 classes is 1.4 GB in float32)
+MAX_PREDICTIVE_SAMPLES = 100_000

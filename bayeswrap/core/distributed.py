@@ -33,11 +33,23 @@ The semantics:
 
 Only :mod:`torch.distributed` is used; the process group is the caller's
 (``bayeswrap fit`` under ``torchrun`` initialises it with :func:`init_from_env`).
+
+**The rendezvous is bounded.** :func:`init_from_env` first checks ``WORLD_SIZE``,
+``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (an error names a
+missing or non-integer variable and its value), then logs what it waits for
+(address, port, rank, world size, timeout) and waits at most
+:data:`RENDEZVOUS_TIMEOUT_S` seconds (5 minutes; the environment variable
+:data:`RENDEZVOUS_TIMEOUT_ENV`, ``BAYESWRAP_RENDEZVOUS_TIMEOUT``, sets another
+number of seconds) for every process to join; a ``WORLD_SIZE=2`` with no
+second process then fails with a ``TimeoutError`` saying what was missing,
+instead of waiting for torch's 30-minute default.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import math
 import os
 from collections.abc import Iterable, Sequence
 
@@ -46,6 +58,13 @@ import torch.distributed as dist
 
 #: MiB of gradients per all-reduce call (DistributedDataParallel's default bucket size is 25 MiB)
 BUCKET_CAP_MB = 25.0
+
+#: seconds :func:`init_from_env` waits for every process of ``WORLD_SIZE`` to join (5 minutes)
+RENDEZVOUS_TIMEOUT_S = 300.0
+#: environment variable that overrides :data:`RENDEZVOUS_TIMEOUT_S` (seconds, a number > 0)
+RENDEZVOUS_TIMEOUT_ENV = "BAYESWRAP_RENDEZVOUS_TIMEOUT"
+
+log = logging.getLogger("bayeswrap")
 
 
 def is_initialized() -> bool:
@@ -73,58 +92,157 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
+def _env_int(name: str, default: int | None, minimum: int, maximum: int | None = None, note: str = "") -> int:
+    """An integer environment variable (``torchrun`` sets these), ``default`` if unset.
+
+    Raises:
+        ValueError: naming the variable and its value, if it is not an integer in range (or unset without a
+            default).
+    """
+    text = os.environ.get(name)
+    if text is None or (not text.strip() and default is not None):
+        if default is None:
+            raise ValueError(f"{name} is not set in the environment; accepted: an integer >= {minimum}"
+                             f"{note} (torchrun sets WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT)")
+        return default
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        accepted = f"an integer in [{minimum}, {maximum}]" if maximum is not None else f"an integer >= {minimum}"
+        raise ValueError(f"{name}={text!r} in the environment is not valid; accepted: {accepted}{note} "
+                         f"(torchrun sets it)")
+    return value
+
+
 def env_world_size() -> int:
     """``WORLD_SIZE`` from the environment (set by ``torchrun``), 1 if unset.
 
     Raises:
-        ValueError: if ``WORLD_SIZE`` is set but is not an integer >= 1.
+        ValueError: if ``WORLD_SIZE`` is set but is not an integer >= 1, naming its value.
     """
-    text = os.environ.get("WORLD_SIZE", "1")
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"WORLD_SIZE={text!r} in the environment is not valid; accepted: an integer >= 1 "
-                         "(torchrun sets it)")
-    return value
+    return _env_int("WORLD_SIZE", 1, 1)
+
+
+def env_rank() -> int:
+    """``RANK`` from the environment (this process's rank, set by ``torchrun``), 0 if unset.
+
+    Raises:
+        ValueError: if ``RANK`` is set but is not an integer in [0, WORLD_SIZE), naming its value.
+    """
+    world = env_world_size()
+    return _env_int("RANK", 0, 0, world - 1, note=f" (below WORLD_SIZE={world})")
 
 
 def local_rank() -> int:
-    """``LOCAL_RANK`` from the environment (the GPU index of this process on its node), 0 if unset."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    """``LOCAL_RANK`` from the environment (the GPU index of this process on its node), 0 if unset.
+
+    Raises:
+        ValueError: if ``LOCAL_RANK`` is set but is not an integer >= 0, naming its value.
+    """
+    return _env_int("LOCAL_RANK", 0, 0)
 
 
-def init_from_env(device: torch.device | str = "cpu", timeout_minutes: float = 30.0) -> bool:
+def rendezvous_timeout() -> float:
+    """Seconds the rendezvous of :func:`init_from_env` waits: ``BAYESWRAP_RENDEZVOUS_TIMEOUT`` if set, else
+    :data:`RENDEZVOUS_TIMEOUT_S`.
+
+    Raises:
+        ValueError: if the variable is set but is not a finite number > 0, naming its value.
+    """
+    text = os.environ.get(RENDEZVOUS_TIMEOUT_ENV)
+    if text is None or not text.strip():
+        return RENDEZVOUS_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{RENDEZVOUS_TIMEOUT_ENV}={text!r} in the environment is not valid; accepted: a number "
+                         f"of seconds > 0 (default {RENDEZVOUS_TIMEOUT_S:g})")
+    return value
+
+
+def rendezvous_env() -> dict:
+    """The ``torchrun`` environment of a multi-process run, checked before any waiting.
+
+    Returns:
+        ``{"world_size", "rank", "local_rank", "master_addr", "master_port"}``.
+
+    Raises:
+        ValueError: naming the variable and its value, for a missing or non-integer ``RANK``, ``WORLD_SIZE``
+            or ``MASTER_PORT`` (an integer in [1, 65535]), a non-integer ``LOCAL_RANK``, or a missing
+            ``MASTER_ADDR``.
+    """
+    world = env_world_size()
+    out = {"world_size": world,
+           "rank": _env_int("RANK", None, 0, world - 1, note=f" (below WORLD_SIZE={world})"),
+           "local_rank": local_rank(),
+           "master_addr": os.environ.get("MASTER_ADDR", "").strip(),
+           "master_port": _env_int("MASTER_PORT", None, 1, 65535)}
+    if not out["master_addr"]:
+        raise ValueError("MASTER_ADDR is not set in the environment; accepted: the host name or address of rank 0 "
+                         "(torchrun sets WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT)")
+    return out
+
+
+def init_from_env(device: torch.device | str = "cpu", timeout_minutes: float = 30.0,
+                  rendezvous_seconds: float | None = None) -> bool:
     """Initialises the default process group from ``torchrun``'s environment when ``WORLD_SIZE`` > 1.
 
     The backend is ``nccl`` for a CUDA device (the process's CUDA device is set
     to ``cuda:LOCAL_RANK`` first) and ``gloo`` otherwise. ``MASTER_ADDR``,
     ``MASTER_PORT``, ``RANK`` and ``WORLD_SIZE`` come from the environment
-    (``init_method="env://"``).
+    (torch's ``env://`` rendezvous) and are checked first (:func:`rendezvous_env`).
+    Before waiting, the address, port, rank, world size and timeout are logged
+    (a warning of the ``bayeswrap`` logger, so that a terminal shows it).
 
     Args:
         device: the device the model trains on.
         timeout_minutes: how long a collective waits for the other ranks.
+        rendezvous_seconds: how long to wait for every process to join; default
+            :func:`rendezvous_timeout` (``BAYESWRAP_RENDEZVOUS_TIMEOUT``, else 300 s).
 
     Returns:
         True if this call initialised a group (the caller should
         :func:`destroy` it), False if ``WORLD_SIZE`` is 1 or a group already exists.
 
     Raises:
-        ValueError: for a bad ``WORLD_SIZE``, or a CUDA device while CUDA is unavailable.
+        ValueError: for a missing or bad ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
+            ``MASTER_ADDR``, ``MASTER_PORT`` or ``BAYESWRAP_RENDEZVOUS_TIMEOUT`` (naming it
+            and its value), or a CUDA device while CUDA is unavailable.
+        TimeoutError: if not every process joined within the rendezvous timeout
+            (or rank 0's address cannot be reached or bound), naming what it waited for.
     """
     if env_world_size() == 1 or is_initialized():
         return False
+    env = rendezvous_env()
+    wait = rendezvous_timeout() if rendezvous_seconds is None else float(rendezvous_seconds)
+    if not (math.isfinite(wait) and wait > 0):
+        raise ValueError(f"rendezvous_seconds={rendezvous_seconds!r} is not valid; accepted: a number > 0")
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={str(device)!r} but CUDA is not available; accepted under torchrun: cpu "
                              "(gloo) or cuda (nccl) on a machine with GPUs")
-        torch.cuda.set_device(local_rank())
+        torch.cuda.set_device(env["local_rank"])
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method="env://",
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+    where = (f"rank {env['rank']} of WORLD_SIZE={env['world_size']} at MASTER_ADDR={env['master_addr']} "
+             f"MASTER_PORT={env['master_port']}")
+    log.warning("data-parallel: %s waiting up to %g s for all %d processes to join (%s sets the timeout in "
+                "seconds)", where, wait, env["world_size"], RENDEZVOUS_TIMEOUT_ENV)
+    try:
+        store, rank_, size = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=wait)))
+    except (RuntimeError, OSError) as err:  # torch's DistStoreError / DistNetworkError are RuntimeErrors
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TimeoutError(f"data-parallel rendezvous failed after at most {wait:g} s: {where} did not find all "
+                           f"{env['world_size']} processes ({first}); start every process (torchrun "
+                           f"--nproc_per_node={env['world_size']} ...), unset WORLD_SIZE to run in one process, or "
+                           f"raise {RENDEZVOUS_TIMEOUT_ENV} (seconds)") from None
+    collective = datetime.timedelta(minutes=timeout_minutes)
+    store.set_timeout(collective)
+    dist.init_process_group(backend, store=store, rank=rank_, world_size=size, timeout=collective)
     return True
 
 

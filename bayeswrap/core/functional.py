@@ -160,13 +160,17 @@ def call(model: nn.Module, params: Mapping[str, torch.Tensor], buffers: Mapping[
         model: the user's module (used only as a function).
         params: every parameter of ``model`` by name.
         buffers: every buffer of ``model`` by name.
-        x: the input, or a tuple of positional inputs.
+        x: the input, a tuple of positional inputs (``model(*x)``), or a mapping of keyword inputs
+            (``model(**x)``, as a Hugging Face batch without its labels).
 
     Returns:
         Whatever ``model.forward`` returns.
     """
-    args = x if isinstance(x, tuple) else (x,)
-    return functional_call(model, (dict(params), dict(buffers)), args, tie_weights=_has_tied_tensors(model),
+    if isinstance(x, Mapping):
+        args, kwargs = (), dict(x)
+    else:
+        args, kwargs = (x if isinstance(x, tuple) else (x,)), None
+    return functional_call(model, (dict(params), dict(buffers)), args, kwargs, tie_weights=_has_tied_tensors(model),
                            strict=False)
 
 

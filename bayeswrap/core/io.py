@@ -165,9 +165,16 @@ def write_json(path, obj: Any) -> Path:
     return write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+class _NoAliasDumper(yaml.SafeDumper):
+    """Writes an object that appears twice in full: bayeswrap refuses YAML anchors and aliases when it reads back."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
 def write_yaml(path, obj: Any) -> Path:
-    """Writes ``obj`` as YAML atomically."""
-    return write_text(path, yaml.safe_dump(obj, sort_keys=False))
+    """Writes ``obj`` as YAML atomically, without anchors or aliases."""
+    return write_text(path, yaml.dump(obj, Dumper=_NoAliasDumper, sort_keys=False))
 
 
 def save_checkpoint(path, obj: Any) -> Path:

@@ -35,6 +35,15 @@ Datasets:
   ``root/test`` (``root/<split>/<class>/<image>``); validation is split at random from
   ``root/train`` by ``val_fraction``. Class indices come from ``root/train``.
 
+Image files of ``imagefolder`` (and the inputs of ``bayeswrap predict``) are read by
+:func:`read_image`, for every mode PIL opens, with their real range: 16-bit pixels
+(``"I;16"``, and ``"I"`` within 0..65535) are divided by 65535, float pixels
+(``"F"``, e.g. float TIFF) are read as intensities in [0, 1] (others are refused),
+palette, alpha, CMYK and other colour modes are converted to RGB (alpha dropped,
+the stored colour kept, as torchvision's loader does), and the result is the 8-bit
+RGB image every transform reads. PIL's decompression-bomb limit
+(``PIL.Image.MAX_IMAGE_PIXELS``) is a ``ValueError`` naming the file.
+
 Image transforms (``pets``, ``flowers102``, ``imagefolder``): with a timm data config
 (``data_config``, e.g. from :func:`bayeswrap.app.backbones.data_config`) the train split uses
 ``timm.data.create_transform(**data_config, is_training=True)`` and val/test use the
@@ -53,6 +62,7 @@ from __future__ import annotations
 
 import os
 import urllib.error
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,8 +86,12 @@ __all__ = [
     "DataSplits",
     "TransformSubset",
     "build_transforms",
+    "display_name",
+    "image_values",
     "load_data",
+    "open_image",
     "random_split_indices",
+    "read_image",
 ]
 
 #: Dataset names accepted by :func:`load_data`.
@@ -469,6 +483,151 @@ def _load_mnist5k(
 _ARRAY_LOADERS: dict[str, Callable[..., DataSplits]] = {"digits": _load_digits, "mnist5k": _load_mnist5k}
 
 
+# --------------------------------------------------------------------------- image files
+
+#: PIL modes holding more than 8 bits per pixel (one channel), read by :func:`image_values` with their real range
+HIGH_DEPTH_MODES: tuple[str, ...] = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+
+#: the largest value of a 16-bit pixel, which :func:`image_values` maps to 1
+_MAX_16BIT = 65535
+
+
+def display_name(path: str | os.PathLike[str]) -> str:
+    """A path as printable text: bytes that are not UTF-8 (Linux file names are bytes) as ``\\xNN`` escapes.
+
+    The file itself is still opened by its real name; this is only how it is shown
+    (messages, the ``input`` column of ``bayeswrap predict``'s CSV).
+    """
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def open_image(path: str | os.PathLike[str]):
+    """Opens and decodes an image file (its first frame) with PIL.
+
+    Args:
+        path: the file; any name the file system holds (also bytes that are not UTF-8).
+
+    Returns:
+        The decoded ``PIL.Image.Image``, in the file's own mode.
+
+    Raises:
+        ValueError: naming the file, if PIL cannot read it, or if it has more pixels
+            than PIL's decompression-bomb limit ``PIL.Image.MAX_IMAGE_PIXELS`` (the
+            limit is named; raise it for a trusted file).
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():  # PIL warns above its limit and refuses above twice it: both refuse here
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                image.load()
+                return image
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise ValueError(f"image {display_name(path)!r} is refused: it is larger than PIL's decompression-bomb limit "
+                         f"of {Image.MAX_IMAGE_PIXELS} pixels ({err}); accepted: images of at most that many pixels "
+                         "(for a file you trust, raise PIL.Image.MAX_IMAGE_PIXELS)") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        raise ValueError(f"image {display_name(path)!r} cannot be read ({err})") from None
+
+
+def image_values(image, name: str = "image") -> np.ndarray:
+    """The pixels of a PIL image as float32 intensities in [0, 1], with the real range of its mode.
+
+    * 8-bit modes (``"L"``, ``"RGB"``, palette, alpha, CMYK, ...): the 8-bit
+      grey or RGB image of :func:`read_image`, divided by 255;
+    * 16-bit (``"I;16"`` and its byte orders): divided by 65535 (32768 → 0.50001);
+    * 32-bit integer (``"I"``, which PIL also uses for 16-bit files): divided by
+      65535, if every pixel lies in 0..65535 (else refused: the scale is unknown);
+    * float (``"F"``, e.g. a float TIFF): taken as they are, if every pixel is finite
+      and lies in [0, 1] (else refused: the scale of other float images is unknown).
+
+    Args:
+        image: a ``PIL.Image.Image``.
+        name: how messages name the image (e.g. its file).
+
+    Returns:
+        float32 array (H, W) for one channel, (H, W, 3) for colour.
+
+    Raises:
+        ValueError: naming the image, its mode and its pixel range, for the refusals above
+            or a mode that has no RGB conversion (e.g. ``"LAB"``).
+    """
+    mode = image.mode
+    if mode not in HIGH_DEPTH_MODES:
+        return np.asarray(_as_8bit(image, name), dtype=np.float32) / np.float32(255)
+    values = np.asarray(image)
+    if mode == "F":
+        finite = np.isfinite(values)
+        if not finite.all():
+            raise ValueError(f"{name} is a float image (mode 'F') with {int((~finite).sum())} NaN or infinite "
+                             "pixels; accepted: finite float pixels in [0, 1]")
+        low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+        if low < 0.0 or high > 1.0:
+            raise ValueError(f"{name} is a float image (mode 'F') with pixels from {low:g} to {high:g}; accepted: "
+                             "float pixels in [0, 1], read as intensities (other float scales are not known: "
+                             "rescale the image to [0, 1], or save it as 8- or 16-bit)")
+        return values.astype(np.float32)
+    if mode == "I" and values.size:
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high > _MAX_16BIT:
+            raise ValueError(f"{name} is a 32-bit integer image (mode 'I') with pixels from {low} to {high}; accepted: "
+                             f"pixels in 0..{_MAX_16BIT}, read as 16-bit (÷ {_MAX_16BIT}); other integer scales "
+                             "are not known: save it as 8- or 16-bit")
+    return (values.astype(np.float64) / _MAX_16BIT).astype(np.float32)
+
+
+def read_image(path: str | os.PathLike[str], mode: str | None = "RGB"):
+    """An image file as the 8-bit grey or RGB PIL image that transforms read, with its real range.
+
+    16-bit and float images are scaled by :func:`image_values` (÷ 65535; float in
+    [0, 1] as it is) and rounded to 8 bits, the precision every 8-bit image has in
+    the transforms; palette, alpha, CMYK and other colour modes are converted to RGB
+    (alpha dropped, the stored colour kept, as torchvision's loader does). The
+    torchvision ``ImageFolder`` loader of ``load_data("imagefolder")``.
+
+    Args:
+        path: the image file (any name the file system holds).
+        mode: ``"RGB"`` (default; grey images are replicated to three channels),
+            ``"L"`` (colour images to grey luma) or ``None`` (``"L"`` for one-channel
+            images, ``"RGB"`` for colour).
+
+    Returns:
+        A ``PIL.Image.Image`` of mode ``"L"`` or ``"RGB"``.
+
+    Raises:
+        ValueError: naming the file, as :func:`open_image` (unreadable, over PIL's
+            decompression-bomb limit) and :func:`image_values` (float pixels out of
+            [0, 1], integer pixels beyond 16 bits, a mode without an RGB conversion).
+    """
+    if mode not in (None, "L", "RGB"):
+        raise ValueError(f"mode={mode!r} is not accepted; accepted: 'RGB', 'L' or None")
+    name = f"image {display_name(path)!r}"
+    image = _as_8bit(open_image(path), name)
+    return image if mode is None or image.mode == mode else image.convert(mode)
+
+
+def _as_8bit(image, name: str):
+    """A PIL image of any mode as an 8-bit ``"L"`` (one channel) or ``"RGB"`` (colour) image, with its real range."""
+    from PIL import Image
+
+    mode = image.mode
+    if mode in ("L", "RGB"):
+        return image
+    if mode in HIGH_DEPTH_MODES:
+        return Image.fromarray(np.round(image_values(image, name) * 255).astype(np.uint8))
+    if mode in ("1", "LA"):
+        return image.convert("L")
+    if mode == "La":  # premultiplied alpha: un-premultiplied by PIL first
+        return image.convert("LA").convert("L")
+    try:  # palette (with or without transparency), RGBA, RGBa, RGBX, CMYK, YCbCr, HSV, ...
+        return image.convert("RGBA").convert("RGB") if mode == "PA" else image.convert("RGB")
+    except (ValueError, OSError) as err:
+        raise ValueError(f"{name} has PIL mode {mode!r}, which has no RGB conversion ({err}); accepted: grey, RGB, "
+                         "palette, alpha, CMYK, YCbCr or HSV images of 8 bits, 16-bit grey, or float grey in [0, 1]"
+                         ) from None
+
+
 # --------------------------------------------------------------------------- torchvision datasets
 
 _DOWNLOAD_ERRORS = (urllib.error.URLError, OSError, RuntimeError)
@@ -529,7 +688,7 @@ class _FixedClassesImageFolder(ImageFolder):
 
     def __init__(self, root: str | os.PathLike[str], class_to_idx: dict[str, int], **kwargs: Any):
         self._fixed_class_to_idx = dict(class_to_idx)
-        super().__init__(root, allow_empty=True, **kwargs)
+        super().__init__(root, allow_empty=True, loader=read_image, **kwargs)
 
     def find_classes(self, directory: Any) -> tuple[list[str], dict[str, int]]:
         classes = sorted(self._fixed_class_to_idx, key=self._fixed_class_to_idx.__getitem__)
@@ -544,7 +703,7 @@ def _load_imagefolder(root: Path, download: bool) -> tuple[Dataset, Dataset, lis
                 f"'{root}/test/<class>/<image>' (--download does not apply to imagefolder; set --data-root)"
             )
     try:
-        train = ImageFolder(root / "train")
+        train = ImageFolder(root / "train", loader=read_image)
     except FileNotFoundError as err:
         raise DataNotFoundError(f"no images found under '{root / 'train'}': {err}") from err
     test_classes = sorted(p.name for p in (root / "test").iterdir() if p.is_dir())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -29,7 +30,7 @@ from torch import nn
 from torch.func import vmap
 
 from bayeswrap.core import fused
-from bayeswrap.core.batches import check_inputs_finite, x_device
+from bayeswrap.core.batches import NonFiniteInputError, check_inputs_finite, class_labels, x_device
 from bayeswrap.core.checks import SCALE_RANGE, check_float, check_int, check_scale
 from bayeswrap.core.functional import (
     NamedTensors,
@@ -440,25 +441,37 @@ class BayesianModel(nn.Module, ABC):
         ``_train_sample()`` and S is ``num_train_samples`` (1 for point methods).
 
         Args:
-            x: inputs, e.g. (B, C, H, W) float.
-            y: targets: (B,) int64 class labels in [0, K) or (B, D) float regression targets.
+            x: inputs, e.g. (B, C, H, W) float; or a tuple of tensors (the model is called as
+                ``model(x1, x2)``), or a dict of named tensors.
+            y: targets: (B,) class labels in [0, K) of any integer dtype (int32, int16,
+                uint8, ... are cast to int64) or (B, D) float regression targets.
 
         Returns:
             A :class:`LossOutput` (``loss``, ``nll``, ``kl``, ``logits``).
 
         Raises:
+            NonFiniteInputError: a ValueError, if the loss is NaN or infinite and a
+                floating input holds NaN or inf (naming the input, its shape and the
+                count). The check reads the loss once (the device sync that reading the
+                loss costs anyway) and looks at the inputs only when the loss is not
+                finite; a non-finite loss from finite inputs is returned as it is, for
+                :func:`bayeswrap.fit` to say whether the parameters or the initial
+                state caused it.
             ValueError: if class labels are out of range, targets mis-shaped, or a
                 categorical model's outputs are not logits of shape (B, K), K >= 2.
             TypeError: if the model does not return a tensor.
-
-        Inputs are not checked for NaN or inf here (that would cost a device sync
-        per step): a non-finite input gives a non-finite loss, and
-        :func:`bayeswrap.fit` then says whether the inputs, the parameters or the
-        initial state caused it.
         """
+        if self.likelihood.name == "categorical":
+            y = class_labels(y)
         outs, kl = self._train_outputs(x)
         self.likelihood.check_targets(outs[0], y)
-        return self._loss_output(outs, kl, y)
+        out = self._loss_output(outs, kl, y)
+        if not math.isfinite(out.loss.item()):  # one scalar read; the inputs are looked at only after a bad loss
+            try:
+                check_inputs_finite(x)
+            except NonFiniteInputError as err:
+                raise NonFiniteInputError(f"loss: {err}", output=out) from None
+        return out
 
     def _train_outputs(self, x) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The training forward passes of :meth:`loss`: ``num_train_samples`` outputs and the regulariser.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from bayeswrap.core import fused
+from bayeswrap.core.checks import check_bool
 from bayeswrap.core.functional import NamedTensors, is_bias
 from bayeswrap.core.fused import dropout_sample, uniform_like
 from bayeswrap.methods.base import BayesianModel, check_float, check_int, register_method
@@ -56,7 +57,7 @@ class MCDropout(BayesianModel):
     in_default_comparison = True
 
     def __init__(self, model, *, p_drop: float = 0.1, num_train_samples: int = 1, fused: bool = True, **kwargs):
-        self.fused = bool(fused)
+        self.fused = check_bool("fused", fused)
         self.p_drop = check_float("p_drop", p_drop, low=0.0, high=1.0, high_open=True,
                                   note="the probability that a parameter is reset to its prior mean")
         self.num_train_samples = check_int("num_train_samples", num_train_samples, minimum=1)

@@ -31,20 +31,27 @@ ensemble predictive as SGLD's.
 
 :meth:`FullBatchMCMC.diagnostics` reports rank-normalised split R-hat, bulk and
 tail ESS per parameter tensor (:mod:`bayeswrap.evaluation.convergence`), the acceptance
-rate, the step size and the divergences.
+rate, the step size and the divergences. They need at least :data:`MIN_KEPT_DRAWS` kept draws per
+chain (split chains of two draws each); :meth:`FullBatchMCMC.check_run_options` checks a budget
+against that before any sampling (``bayeswrap fit`` calls it while validating the config). A run
+whose chains hardly move (acceptance below :data:`LOW_ACCEPTANCE` in some chain, e.g. from
+``init_step_size=1e30``, or every transition divergent) ends with a ``RuntimeWarning`` that names
+the starting step size or scale and the acceptance rates.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
+import warnings
 from abc import abstractmethod
 
 import torch
 from torch.func import grad_and_value, vmap
 
 from bayeswrap.core import distributed
-from bayeswrap.core.checks import check_float, check_int
+from bayeswrap.core.checks import check_bool, check_float, check_int
 from bayeswrap.core.functional import NamedTensors
 from bayeswrap.core.samples import SampleStore, spread_indices
 from bayeswrap.evaluation import convergence as diag
@@ -55,6 +62,28 @@ MAX_PARAMETERS = 100_000
 
 #: energy error (nats) beyond which an HMC transition counts as divergent (Stan's threshold)
 DIVERGENCE = 1000.0
+
+#: the fewest kept draws per chain the diagnostics accept: split R-hat and the ESS split each chain in two
+#: halves of at least 2 draws
+MIN_KEPT_DRAWS = 4
+
+#: the most iterations (``num_warmup + num_samples``) one call of ``run_chains`` runs
+MAX_ITERATIONS = 10_000_000
+
+#: post-warm-up acceptance rate below which a chain is reported as stuck (a ``RuntimeWarning``)
+LOW_ACCEPTANCE = 0.01
+
+#: ``run_chains`` arguments that are data or random state, not options (:meth:`FullBatchMCMC.check_run_options`)
+_RUN_DATA = ("inputs", "targets", "generator", "init")
+
+
+def kept_draws(num_samples: int, thinning: int, max_samples: int) -> int:
+    """The fewest draws per chain a run keeps: one per ``thinning`` of the ``num_samples`` iterations,
+    ⌈num_samples / thinning⌉, or, when that exceeds the store's ``max_samples``, the ⌈max_samples / 2⌉ the
+    store keeps at least after thinning itself by two.
+    """
+    offered = -(-num_samples // thinning)
+    return offered if offered <= max_samples else (max_samples + 1) // 2
 
 
 class FullBatchMCMC(BayesianModel):
@@ -230,8 +259,10 @@ class FullBatchMCMC(BayesianModel):
         Args:
             inputs: the training inputs, (n, ...) (a tensor).
             targets: the training targets, (n,) class labels or (n, D) regression targets.
-            num_samples: iterations kept after warm-up (integer ≥ 0), before ``thinning``.
-            num_warmup: adaptation iterations, not kept (integer ≥ 0).
+            num_samples: iterations kept after warm-up (integer ≥ 0), before ``thinning``; the diagnostics
+                need at least 4 kept draws per chain (see :meth:`check_run_options`).
+            num_warmup: adaptation iterations, not kept (integer ≥ 0); ``num_warmup + num_samples`` is
+                at most 10,000,000.
             num_chains: chains (integer ≥ 1; default the model's ``num_chains``).
             thinning: keep every n-th post-warm-up iteration (integer ≥ 1).
             generator: optional ``torch.Generator`` (on the model's device) for every random draw.
@@ -247,14 +278,19 @@ class FullBatchMCMC(BayesianModel):
             ValueError: for a bad option, inputs and targets of different lengths,
                 an ``init`` of the wrong shape, or a non-finite initial potential; under
                 ``torchrun`` (a world size > 1), where every rank would run the same chains.
+
+        Warns:
+            RuntimeWarning: if a chain's acceptance rate after warm-up is below 0.01, or every one of its
+                post-warm-up transitions is divergent (e.g. ``init_step_size=1e30``): the message names the
+                starting step size or scale and the acceptance rates.
         """
         distributed.refuse("run_chains", "the chains run on the whole training set in one process, with no "
                            "minibatches to shard (under torchrun every rank would run the same chains)")
-        num_samples = check_int("num_samples", num_samples, minimum=0)
-        num_warmup = check_int("num_warmup", num_warmup, minimum=0)
-        chains = self.num_chains if num_chains is None else check_int("num_chains", num_chains, minimum=1)
-        thinning = check_int("thinning", thinning, minimum=1)
-        init_jitter = check_float("init_jitter", init_jitter, low=0.0)
+        checked = self.check_run_options(num_samples=num_samples, num_warmup=num_warmup, num_chains=num_chains,
+                                         thinning=thinning, init_jitter=init_jitter, for_diagnostics=False)
+        num_samples, num_warmup, thinning, init_jitter = (checked[k] for k in ("num_samples", "num_warmup",
+                                                                                 "thinning", "init_jitter"))
+        chains = checked["num_chains"]
         if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
             raise ValueError("inputs and targets must be tensors (the whole training set)")
         if len(inputs) != len(targets) or len(inputs) == 0:
@@ -289,7 +325,79 @@ class FullBatchMCMC(BayesianModel):
         stats["seconds"] = time.perf_counter() - tic
         stats.update(num_chains=chains, num_warmup=num_warmup, num_samples=num_samples, thinning=thinning)
         self.stats = stats
+        self._warn_if_stuck(stats, num_samples)
         return stats
+
+    def check_run_options(self, *, for_diagnostics: bool = True, **options) -> dict:
+        """Checks options of :meth:`run_chains` (not its data) before any work, as ``run_chains`` checks them.
+
+        Args:
+            for_diagnostics: also require every chain to keep at least :data:`MIN_KEPT_DRAWS` draws
+                (:func:`kept_draws` of ``num_samples``, ``thinning`` and ``max_samples``), which
+                :meth:`diagnostics` needs. ``bayeswrap fit`` reports the diagnostics of every run, so its
+                config is checked with this on; ``run_chains`` itself accepts fewer draws.
+            **options: any of ``run_chains``'s keyword options (``num_samples``, ``num_warmup``,
+                ``num_chains``, ``thinning``, ``init_jitter``); the others take its defaults.
+
+        Returns:
+            Every option, checked, ``{name: value}`` (``num_chains`` resolved to the model's default if None).
+
+        Raises:
+            ValueError: naming the option, its value and what is accepted, for a bad value, an unknown option,
+                more than :data:`MAX_ITERATIONS` iterations, or (``for_diagnostics``) too few kept draws.
+        """
+        params = {n: p for n, p in inspect.signature(type(self).run_chains).parameters.items()
+                  if p.kind is p.KEYWORD_ONLY and n not in _RUN_DATA}
+        unknown = [k for k in options if k not in params]
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)} is not an option of run_chains; accepted: {', '.join(params)}")
+        values = {**{n: p.default for n, p in params.items()}, **options}
+        out = {"num_samples": check_int("num_samples", values["num_samples"], minimum=0),
+               "num_warmup": check_int("num_warmup", values["num_warmup"], minimum=0),
+               "num_chains": self.num_chains if values["num_chains"] is None else check_int(
+                   "num_chains", values["num_chains"], minimum=1),
+               "thinning": check_int("thinning", values["thinning"], minimum=1),
+               "init_jitter": check_float("init_jitter", values["init_jitter"], low=0.0)}
+        if out["num_warmup"] + out["num_samples"] > MAX_ITERATIONS:
+            raise ValueError(f"num_warmup={out['num_warmup']} + num_samples={out['num_samples']} iterations is "
+                             f"above the bound of {MAX_ITERATIONS:,} per run_chains call; accepted: at most "
+                             f"{MAX_ITERATIONS:,} in all")
+        kept = kept_draws(out["num_samples"], out["thinning"], self.max_samples)
+        if for_diagnostics and kept < MIN_KEPT_DRAWS:
+            need = (MIN_KEPT_DRAWS - 1) * out["thinning"] + 1
+            fix = (f"max_samples >= {2 * MIN_KEPT_DRAWS - 1}" if self.max_samples < 2 * MIN_KEPT_DRAWS - 1
+                   and -(-out["num_samples"] // out["thinning"]) > self.max_samples else
+                   f"num_samples >= {need} at thinning={out['thinning']}")
+            raise ValueError(f"num_samples={out['num_samples']} with thinning={out['thinning']} and max_samples="
+                             f"{self.max_samples} keeps {kept} draw(s) per chain; the diagnostics (split R-hat, "
+                             f"ESS) need at least {MIN_KEPT_DRAWS} per chain; accepted: {fix}")
+        return out
+
+    def _start_option(self) -> str:
+        """The option that set the first step size or proposal scale, as ``name=value``."""
+        return "the method's starting values"
+
+    def _warn_if_stuck(self, stats: dict, num_samples: int) -> None:
+        """A ``RuntimeWarning`` if some chain barely moved after warm-up (acceptance < :data:`LOW_ACCEPTANCE`)
+        or every post-warm-up transition of a chain was divergent.
+        """
+        if num_samples == 0:
+            return
+        rates = [float(r) for r in stats.get("acceptance_rate", [])]
+        divergences = [int(d) for d in stats.get("divergences", [])]
+        stuck = [i for i, r in enumerate(rates) if not r >= LOW_ACCEPTANCE]
+        divergent = [i for i, d in enumerate(divergences) if d >= num_samples]
+        if not stuck and not divergent:
+            return
+        chains = sorted(set(stuck) | set(divergent))
+        setting = {k: stats[k] for k in ("step_size", "proposal_scale") if k in stats}
+        final = "; ".join(f"final {k} {', '.join(f'{v:.3g}' for v in vals)}" for k, vals in setting.items())
+        warnings.warn(f"{self.method}: chain(s) {chains} hardly moved after warm-up: acceptance rate "
+                      f"{', '.join(f'{r:.3g}' for r in rates)} (below {LOW_ACCEPTANCE:g} in chain(s) {stuck}), "
+                      f"{', '.join(map(str, divergences))} divergent of {num_samples} transitions per chain; "
+                      f"started from {self._start_option()}" + (f"; {final}" if final else "") +
+                      ". The draws are not a posterior sample: lower the starting value, run a longer warm-up, or "
+                      "check the prior and the data", RuntimeWarning, stacklevel=4)
 
     def _keep(self, states: torch.Tensor) -> None:
         self.sample_store.offer({n: t for n, t in zip(self.theta.keys(), self._split(states))})
@@ -319,11 +427,12 @@ class FullBatchMCMC(BayesianModel):
 
         Raises:
             NotFittedError: before :meth:`run_chains`.
-            ValueError: with fewer than 4 kept draws per chain (split chains need 2 each).
+            ValueError: with fewer than :data:`MIN_KEPT_DRAWS` (4) kept draws per chain (split chains need 2
+                each).
         """
         draws = self.chain_draws()
-        if next(iter(draws.values())).shape[1] < 4:
-            raise ValueError("diagnostics need at least 4 kept draws per chain")
+        if next(iter(draws.values())).shape[1] < MIN_KEPT_DRAWS:
+            raise ValueError(f"diagnostics need at least {MIN_KEPT_DRAWS} kept draws per chain")
         per = {}
         for n, d in draws.items():
             d = d.detach().double().cpu()
@@ -364,6 +473,9 @@ class MetropolisHastings(FullBatchMCMC):
             "target_accept", target_accept, low=0.0, high=1.0, low_open=True, high_open=True)
         self.init_scale = check_float("init_scale", init_scale, low=0.0, low_open=True)
         super().__init__(model, **kwargs)
+
+    def _start_option(self) -> str:
+        return f"init_scale={self.init_scale:g}"
 
     def _run(self, energy, states, grads, values, num_warmup, num_samples, thinning, generator):
         chains, dim = states.shape
@@ -410,11 +522,11 @@ class HMC(FullBatchMCMC):
         target_accept: the dual-averaging target δ (in (0, 1), default 0.8).
         init_step_size: the first step size (> 0); refined by Hoffman & Gelman's
             Algorithm 4 heuristic before warm-up.
-        adapt_mass: adapt the diagonal inverse mass matrix in warm-up windows.
+        adapt_mass: adapt the diagonal inverse mass matrix in warm-up windows (True or False).
         jitter: draw each trajectory's number of leapfrog steps uniformly from
             {⌈L/2⌉, ..., ⌊3L/2⌋} (L = ``num_leapfrog``; Neal 2011, §5.4.2.2), so that
             no fixed trajectory length can be close to a period of the dynamics
-            (a fixed L made the ESS swing by two orders of magnitude with L).
+            (a fixed L made the ESS swing by two orders of magnitude with L). True or False.
         kernel: ``"hmc"`` (this module's sampler) or ``"nuts"``: the No-U-Turn
             sampler of the optional ``pyro-ppl`` package (Hoffman & Gelman 2014,
             Algorithm 6, through its ``potential_fn`` interface), one chain after another,
@@ -433,13 +545,16 @@ class HMC(FullBatchMCMC):
                 raise ValueError("kernel='nuts' needs the pyro-ppl package (pip install 'bayeswrap[nuts]'); "
                                  "accepted without it: kernel='hmc'") from None
         self.kernel = kernel
-        self.jitter = bool(jitter)
+        self.jitter = check_bool("jitter", jitter)
         self.num_leapfrog = check_int("num_leapfrog", num_leapfrog, minimum=1)
         self.target_accept = check_float("target_accept", target_accept, low=0.0, high=1.0, low_open=True,
                                          high_open=True)
         self.init_step_size = check_float("init_step_size", init_step_size, low=0.0, low_open=True)
-        self.adapt_mass = bool(adapt_mass)
+        self.adapt_mass = check_bool("adapt_mass", adapt_mass)
         super().__init__(model, **kwargs)
+
+    def _start_option(self) -> str:
+        return f"init_step_size={self.init_step_size:g}"
 
     def _trajectory(self, gv, states, grads, values, step, inv_mass, generator, num_steps: int | None = None):
         """One leapfrog trajectory per chain; returns the proposal, its gradient/potential and the energy error."""

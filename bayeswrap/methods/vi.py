@@ -51,6 +51,7 @@ import math
 import torch
 
 from bayeswrap.core import fused
+from bayeswrap.core.checks import check_bool
 from bayeswrap.core.functional import NamedTensors
 from bayeswrap.core.fused import mean_field_sample, standard_normal_like
 from bayeswrap.core.layers import lrt_names, lrt_theta
@@ -107,7 +108,7 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
     def __init__(self, model, *, init_std: float = 1e-3, num_train_samples: int = 1, fused: bool = True,
                  local_reparam: bool = False, **kwargs):
         self.init_std = check_scale("init_std", init_std)
-        self.fused = bool(fused)
+        self.fused = check_bool("fused", fused)
         self.num_train_samples = check_int("num_train_samples", num_train_samples, minimum=1)
         if not isinstance(local_reparam, bool):
             raise ValueError(f"local_reparam={local_reparam!r} is not accepted; accepted: True, False")

@@ -86,7 +86,7 @@ import torch
 from torch.func import grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bayeswrap.core.batches import batch_pair, check_inputs_finite
+from bayeswrap.core.batches import batch_pair, batch_size, check_inputs_finite, class_labels, take, to_device, unsqueeze
 from bayeswrap.core.distributed import all_reduce_sum_
 from bayeswrap.core.functional import NamedTensors, _mangle, nonfinite_names
 from bayeswrap.core.likelihoods import at_least_float32
@@ -469,7 +469,7 @@ class Laplace(MAP):
         theta = {n: t.detach() for n, t in (theta or self.theta.as_dict()).items()}
 
         def nll_one(th, x1, y1):
-            return self.likelihood.nll(self.forward_with(th, x1.unsqueeze(0)), y1.unsqueeze(0))
+            return self.likelihood.nll(self.forward_with(th, unsqueeze(x1)), y1.unsqueeze(0))
 
         return vmap(grad(nll_one), in_dims=(None, 0, 0))(theta, x, y)
 
@@ -516,7 +516,7 @@ class Laplace(MAP):
         total = {n: torch.zeros_like(t) for n, t in theta.items()}
 
         def one(x1, basis, class_chunks):
-            f1, vjp_fn = vjp(lambda th: self.forward_with(th, x1.unsqueeze(0)).reshape(-1), theta)
+            f1, vjp_fn = vjp(lambda th: self.forward_with(th, unsqueeze(x1)).reshape(-1), theta)
             acc = {n: torch.zeros_like(t) for n, t in theta.items()}
             if categorical:
                 p = at_least_float32(f1).softmax(-1).to(f1.dtype)
@@ -544,15 +544,15 @@ class Laplace(MAP):
         max(1, chunk // K) examples, or chunks of the classes of one example.
         """
         with torch.no_grad():
-            k = self.forward_with(theta, x[:1]).numel()
+            k = self.forward_with(theta, take(x, slice(0, 1))).numel()
         ref = next(iter(theta.values()))
         basis = torch.eye(k, dtype=ref.dtype, device=ref.device)
         rows = self.curvature_chunk_size
         per_class = min(k, rows)
         class_chunks = [slice(s, s + per_class) for s in range(0, k, per_class)]
         per_example = max(1, rows // k)
-        for start in range(0, x.shape[0], per_example):
-            yield vmap(lambda x1: one(x1, basis, class_chunks))(x[start:start + per_example])
+        for start in range(0, batch_size(x), per_example):
+            yield vmap(lambda x1: one(x1, basis, class_chunks))(take(x, slice(start, start + per_example)))
 
     @torch.no_grad()
     def fit_curvature(self, train_loader, generator: torch.Generator | None = None) -> "Laplace":
@@ -571,7 +571,11 @@ class Laplace(MAP):
 
         Args:
             train_loader: iterable of ``(inputs, targets)`` batches, usually the
-                training set (one pass).
+                training set (one pass). Inputs are a tensor, a tuple of tensors
+                (``model(x1, x2)``) or a dict of named tensors, moved to the model's
+                device; class labels of any integer dtype are read as int64.
+                ``hessian_structure="full"`` over all weights still needs tensor inputs (its
+                per-example Jacobians, ``structures.network_jacobian``, slice a tensor).
             generator: optional ``torch.Generator`` for the labels sampled by
                 ``curvature="fisher"``.
 
@@ -608,7 +612,9 @@ class Laplace(MAP):
         try:
             for index, batch in enumerate(train_loader):
                 x, y = batch_pair(batch, f"fit_curvature's loader batch {index}")
-                x, y = x.to(device), y.to(device)
+                x, y = to_device(x, device), to_device(y, device)
+                if self.likelihood.name == "categorical":
+                    y = class_labels(y)  # int32, int16, uint8 ... labels as int64
                 out = self.forward_with(theta, x)
                 self.likelihood.check_targets(out, y)
                 batch_log_lik = -self.likelihood.nll(out, y, reduction="none").double().sum()
@@ -622,7 +628,7 @@ class Laplace(MAP):
                                    for _ in range(self.curvature_samples)]
                     self._accumulate_structure(x, y, theta, sampled)
                     if not diag_wanted:
-                        seen += x.shape[0]
+                        seen += batch_size(x)
                         continue
                 with torch.enable_grad():
                     if self.curvature == "ggn":
@@ -633,7 +639,7 @@ class Laplace(MAP):
                         self._add_squared_grads(curv, x, sampled, theta, 1.0 / self.curvature_samples)
                     else:
                         self._add_squared_grads(curv, x, y, theta, 1.0)
-                seen += x.shape[0]
+                seen += batch_size(x)
             # data-parallel fits: every rank saw its own shard; the curvature, the log-likelihood and
             # the example count are sums over examples, so summing them over the ranks gives the full terms
             count = torch.tensor(float(seen), dtype=torch.float64, device=device)
@@ -698,7 +704,7 @@ class Laplace(MAP):
     def _example_slices(self, x) -> list[slice]:
         """Slices of ``curvature_chunk_size`` examples (bounds the (c, K, P) Jacobians of ``"full"`` over all)."""
         c = self.curvature_chunk_size
-        return [slice(s, s + c) for s in range(0, x.shape[0], c)]
+        return [slice(s, s + c) for s in range(0, batch_size(x), c)]
 
     def _jacobian(self, x, theta) -> tuple[torch.Tensor, torch.Tensor]:
         """Outputs f (B, *out) and the per-example Jacobian J (B, K, P) by ``jacrev`` under ``vmap`` (``"full"``, all)."""
@@ -735,7 +741,7 @@ class Laplace(MAP):
             return
         if isinstance(structure, FullPosterior):  # curvature_chunk_size examples' Jacobians (c, K, P) at a time
             for sl in self._example_slices(x):
-                f, jac = self._jacobian(x[sl], theta)
+                f, jac = self._jacobian(take(x, sl), theta)
                 ys = None if sampled is None else [t[sl] for t in sampled]
                 v = self._curvature_vectors(f, y[sl], ys).reshape(-1, f.shape[0], jac.shape[1])  # (M, c, K)
                 structure.add_rows(torch.einsum("mbk,bkp->mbp", v.to(jac.dtype), jac).reshape(-1, jac.shape[-1]))
@@ -775,9 +781,9 @@ class Laplace(MAP):
             torch._foreach_add_(list(acc.values()), [sums[n] for n in acc])
             return
         for y1 in ys:
-            for start in range(0, x.shape[0], self.curvature_chunk_size):
+            for start in range(0, batch_size(x), self.curvature_chunk_size):
                 sl = slice(start, start + self.curvature_chunk_size)
-                g = self.per_example_grads(x[sl], y1[sl], theta)
+                g = self.per_example_grads(take(x, sl), y1[sl], theta)
                 # Σ_n g_n² as a squared norm over the example dim: one read of the (chunk, *shape)
                 # gradients, no chunk-sized temporary
                 torch._foreach_add_(list(acc.values()),
@@ -899,7 +905,7 @@ class Laplace(MAP):
             if isinstance(structure, FullPosterior):
                 fs, vs = [], []
                 for sl in self._example_slices(x):
-                    f, jac = self._jacobian(x[sl], theta)
+                    f, jac = self._jacobian(take(x, sl), theta)
                     fs.append(f.detach())
                     vs.append(structure.functional_variance(jac.to(structure.H.dtype), delta).to(f.dtype))
                 f = torch.cat(fs)
@@ -928,7 +934,7 @@ class Laplace(MAP):
                 return f_mu, norms.t().reshape(f_mu.shape)
 
         def one(x1, basis, class_chunks):
-            f1, vjp_fn = vjp(lambda th: self.forward_with(th, x1.unsqueeze(0)).reshape(-1), theta)
+            f1, vjp_fn = vjp(lambda th: self.forward_with(th, unsqueeze(x1)).reshape(-1), theta)
             parts = []
             for ks in class_chunks:
                 (rows,) = vmap(vjp_fn)(basis[ks])
@@ -937,7 +943,7 @@ class Laplace(MAP):
 
         with self._evaluating(), torch.enable_grad():
             chunks = list(self._per_example_chunks(x, one, theta))
-            shape = self.forward_with(theta, x[:1]).shape[1:]
+            shape = self.forward_with(theta, take(x, slice(0, 1))).shape[1:]
         f_mu = torch.cat([c[0] for c in chunks]).detach()
         f_var = torch.cat([c[1] for c in chunks]).detach()
         return f_mu.reshape(-1, *shape), f_var.reshape(-1, *shape)

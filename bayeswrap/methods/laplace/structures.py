@@ -82,6 +82,7 @@ import torch
 from torch import nn
 from torch.func import jacrev, vmap
 
+from bayeswrap.core.batches import batch_size, take, unsqueeze
 from bayeswrap.methods.laplace.curvature import _backward
 
 HESSIAN_STRUCTURES = ("diag", "kron", "full")
@@ -599,8 +600,9 @@ def network_jacobian(forward, theta: Mapping[str, torch.Tensor], x, chunk: int) 
 
     def one(x1):
         def f(th):
-            return forward(th, x1.unsqueeze(0)).reshape(-1)
+            return forward(th, unsqueeze(x1)).reshape(-1)
         jac = jacrev(f)(theta)
         return torch.cat([jac[n].reshape(jac[n].shape[0], -1) for n in theta], dim=-1)
 
-    return torch.cat([vmap(one)(x[s:s + chunk]) for s in range(0, x.shape[0], chunk)])
+    count = batch_size(x)  # inputs may be a tensor, or a tuple or mapping of tensors
+    return torch.cat([vmap(one)(take(x, slice(s, s + chunk))) for s in range(0, count, chunk)])

@@ -52,7 +52,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bayeswrap.core.checks import check_float, check_int
+from bayeswrap.core.checks import check_bool, check_float, check_int
 from bayeswrap.core.functional import NamedTensors, is_bias
 from bayeswrap.core.layers import lrt_names, lrt_theta
 from bayeswrap.methods.base import BayesianModel, register_method
@@ -125,7 +125,7 @@ class LBBNN(SparsityMixin, BayesianModel):
         self.temperature = check_float("temperature", temperature, low=0.0, low_open=True)
         self.num_train_samples = check_int("num_train_samples", num_train_samples, minimum=1)
         self.flow_hidden = tuple(check_int("flow_hidden", h, minimum=1) for h in flow_hidden)
-        self.local_reparam = local_reparam
+        self.local_reparam = check_bool("local_reparam", local_reparam)
         super().__init__(model, **kwargs)
         self._lrt_set: set[str] = set()
         if local_reparam:
