@@ -214,7 +214,8 @@ class _Two(nn.Module):
 
 
 class _Named(_Two):
-    """Takes named tensors either way bayeswrap's functional call passes a dict (``model(d)`` or ``model(**d)``)."""
+    """Takes named tensors as keyword arguments (``model(**d)``, how bayeswrap calls a model on a dict) or as one
+    mapping (``model(d)``)."""
 
     def forward(self, inputs=None, **named):
         d = named if inputs is None else inputs
@@ -240,7 +241,9 @@ def _structured(kind, n=24, label_dtype=torch.int32):
 @pytest.mark.parametrize("method, options", [("map", {}), ("vi", {}), ("laplace", {}),
                                              ("laplace", {"curvature_backend": "vmap"}),
                                              ("laplace", {"hessian_structure": "kron"}),
-                                             ("laplace", {"hessian_structure": "full"})])
+                                             ("laplace", {"hessian_structure": "full"}),
+                                             ("swag", {"swa_start": 0.5}), ("ensemble", {"num_members": 2}),
+                                             ("ensemble", {"num_members": 2, "parallel": "sequential"})])
 def test_tuple_and_dict_batches_with_int32_labels_work_everywhere(kind, model, method, options):
     loader, (x1, x2, y) = _structured(kind)
     torch.manual_seed(0)
@@ -349,3 +352,15 @@ def test_loss_refuses_non_finite_inputs(method):
     with pytest.raises(ValueError, match=r"loss: x \(shape \(2, 3\)\) contains 2 non-finite values"):
         plain.loss(torch.tensor([[0.0, float("inf"), 1.0], [float("-inf"), 0.0, 0.0]]), torch.tensor([0, 1]))
     assert torch.isfinite(bnn.loss((x1, loader[0][0][1]), y).loss)
+
+
+@pytest.mark.parametrize("parallel", ["vmap", "sequential"])
+def test_an_ensembles_loss_reads_narrow_labels_and_names_nan_inputs(parallel):
+    loader, _ = _structured("tuple", label_dtype=torch.int32)
+    bnn = bw.wrap(_Two(), "ensemble", num_data=24, num_members=3, parallel=parallel)
+    (x1, x2), y = loader[0]
+    torch.testing.assert_close(bnn.loss((x1, x2), y).loss, bnn.loss((x1, x2), y.long()).loss)
+    x1 = x1.clone()
+    x1[2, 1] = float("nan")
+    with pytest.raises(NonFiniteInputError, match=r"loss: .*x\[0\] \(shape \(8, 3\)\) contains 1 non-finite"):
+        bnn.loss((x1, x2), y)

@@ -166,12 +166,18 @@ def call(model: nn.Module, params: Mapping[str, torch.Tensor], buffers: Mapping[
     Returns:
         Whatever ``model.forward`` returns.
     """
-    if isinstance(x, Mapping):
-        args, kwargs = (), dict(x)
-    else:
-        args, kwargs = (x if isinstance(x, tuple) else (x,)), None
+    args, kwargs = call_arguments(x)
     return functional_call(model, (dict(params), dict(buffers)), args, kwargs, tie_weights=_has_tied_tensors(model),
                            strict=False)
+
+
+def call_arguments(x) -> tuple[tuple, dict | None]:
+    """``(args, kwargs)`` of a forward call on inputs ``x``: a tensor ``model(x)``, a tuple ``model(*x)``, a
+    mapping ``model(**x)``.
+    """
+    if isinstance(x, Mapping):
+        return (), dict(x)
+    return (x if isinstance(x, tuple) else (x,)), None
 
 
 _TIED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()

@@ -465,7 +465,11 @@ class BayesianModel(nn.Module, ABC):
             y = class_labels(y)
         outs, kl = self._train_outputs(x)
         self.likelihood.check_targets(outs[0], y)
-        out = self._loss_output(outs, kl, y)
+        return self._checked_loss(self._loss_output(outs, kl, y), x)
+
+    @staticmethod
+    def _checked_loss(out: LossOutput, x) -> LossOutput:
+        """``out``, or a :class:`NonFiniteInputError` naming the input when the loss is not finite because of it."""
         if not math.isfinite(out.loss.item()):  # one scalar read; the inputs are looked at only after a bad loss
             try:
                 check_inputs_finite(x)

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from bayeswrap.core.batches import check_inputs_finite
+from bayeswrap.core.batches import check_inputs_finite, class_labels
 from bayeswrap.core.checks import check_int
 from bayeswrap.core.functional import NamedTensors
 from bayeswrap.core.likelihoods import at_least_float32
@@ -247,6 +247,8 @@ class Ensemble(BayesianModel):
             ValueError: as :meth:`BayesianModel.loss`; with ``parallel="vmap"``,
                 also when the members cannot be vmapped.
         """
+        if self.likelihood.name == "categorical":
+            y = class_labels(y)
         if self._vmap_state != "off":
             try:
                 outs, kls = self._vmapped_outputs(x)
@@ -266,7 +268,7 @@ class Ensemble(BayesianModel):
                               "after another from now on", RuntimeWarning, stacklevel=2)
                 return out
             self._vmap_state = "on"
-            return self._loss_output_members(outs, kls, y)
+            return self._checked_loss(self._loss_output_members(outs, kls, y), x)
         return self._sequential_loss(x, y)
 
     def _sequential_loss(self, x, y) -> LossOutput:

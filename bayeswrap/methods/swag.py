@@ -62,7 +62,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from bayeswrap.core.batches import batch_pair
+from bayeswrap.core.batches import batch_pair, to_device
 from bayeswrap.core.checks import check_float, check_int, check_scale
 from bayeswrap.core.functional import NamedTensors, call
 from bayeswrap.core.samples import RingStore, welford_update_, welford_variance
@@ -473,7 +473,7 @@ class SWAG(MAP):
                 if seen >= self.bn_update_batches:
                     break
                 x, _ = batch_pair(batch, f"the BatchNorm update loader (batch {seen})")
-                x = tuple(_to(t, device) for t in x) if isinstance(x, (tuple, list)) else _to(x, device)
+                x = to_device(x, device)
                 call(self.model, tensors, buffers, x)
                 seen += 1
         finally:
@@ -530,10 +530,6 @@ class SWAG(MAP):
         if not self._bn_update_active():
             return super()._mean_outputs(x)
         return self._forward_bn(self.posterior_mean(), x).unsqueeze(0)
-
-
-def _to(t, device):
-    return t.to(device) if isinstance(t, torch.Tensor) else t
 
 
 def _check_swa_start(value):
