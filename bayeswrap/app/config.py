@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +21,7 @@ import yaml
 
 from bayeswrap.app.options import StrictLoader, coerce_option, option_specs, option_users, parse_bool
 from bayeswrap.core.checks import MAX_PREDICTIVE_SAMPLES, SCALE_RANGE, check_device
+from bayeswrap.core.io import file_kind
 from bayeswrap.data.datasets import DATASETS
 from bayeswrap.methods import METHODS, wrap
 
@@ -476,16 +476,14 @@ def read_bounded(path: str | os.PathLike, max_bytes: int, what: str = "file", ki
         ValueError: naming the file, if it is a folder, a device, a pipe or another non-regular file, or larger
             than ``max_bytes``.
     """
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {str(path)!r} does not exist") from None
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what} {str(path)!r} does not exist")
     accepted = f"a {kind} file" if kind else "a file"
-    if stat.S_ISDIR(mode):
+    found = file_kind(path, follow_symlinks=True)  # a config file may be reached through a link
+    if found == "a folder":
         raise ValueError(f"{what} {str(path)!r} is a folder; accepted: {accepted}")
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"{what} {str(path)!r} is not a regular file (a device, pipe or socket); accepted: "
-                         f"{accepted}")
+    if found is not None:
+        raise ValueError(f"{what} {str(path)!r} is not a regular file ({found}); accepted: {accepted}")
     with open(path, "rb") as fh:
         data = fh.read(max_bytes + 1)
     if len(data) > max_bytes:

@@ -9,6 +9,7 @@ named pipe or a folder at the destination is refused, never written through or r
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import pickle
@@ -30,12 +31,12 @@ _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S
           (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
 
 
-def file_kind(path: str | os.PathLike) -> str | None:
+def file_kind(path: str | os.PathLike, follow_symlinks: bool = False) -> str | None:
     """What ``path`` is when it exists and is not a regular file ("a symbolic link", "a character device", ...);
-    None for a regular file or a missing path (a link is not followed).
+    None for a regular file or a missing path (a link is not followed unless ``follow_symlinks``).
     """
     try:
-        mode = os.lstat(path).st_mode
+        mode = os.stat(path, follow_symlinks=follow_symlinks).st_mode
     except (FileNotFoundError, NotADirectoryError):
         return None
     if stat.S_ISREG(mode):
@@ -102,17 +103,12 @@ def remove_stale_tmp_of(path: str | os.PathLike) -> list[Path]:
     """
     path = Path(path)
     removed = []
-    for tmp in path.parent.glob(f".{glob_escape(path.name)}.*.tmp"):
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
         if pid.isdigit() and file_kind(tmp) is None and not pid_alive(int(pid)):
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
-
-
-def glob_escape(name: str) -> str:
-    """``name`` with glob's special characters escaped."""
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 def pid_alive(pid: int) -> bool:
