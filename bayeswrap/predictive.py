@@ -15,7 +15,7 @@ import torch
 from bayeswrap.core.batches import batch_pair, check_inputs_finite, class_labels, to_device
 from bayeswrap.core.checks import check_int
 from bayeswrap.core.likelihoods import at_least_float32
-from bayeswrap.evaluation import calibration
+from bayeswrap.evaluation import calibration, regression
 
 if TYPE_CHECKING:  # a type only: any object with the BayesianModel.predict interface works
     from bayeswrap.methods.base import BayesianModel
@@ -63,7 +63,7 @@ def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generato
     device = model_device(bnn)
     preds, targets = [], []
     for index, batch in enumerate(loader):
-        x, y = batch_pair(batch, f"the loader's batch {index}")
+        x, y = batch_pair(batch, f"the loader's batch {index}", bnn.label_key)
         x = to_device(x, device)
         if bnn.is_ready() or not allow_point_estimate:
             p = bnn.predict(x, num_samples=num_samples, generator=generator)
@@ -116,7 +116,7 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
     device = model_device(bnn)
     probs, targets = [], []
     for index, batch in enumerate(loader):
-        x, y = batch_pair(batch, f"the loader's batch {index}")
+        x, y = batch_pair(batch, f"the loader's batch {index}", bnn.label_key)
         x = to_device(x, device)
         if num_samples == 0:
             bnn._check_ready()
@@ -142,7 +142,7 @@ def _targets_on_cpu(bnn: BayesianModel, y) -> torch.Tensor:
 
 
 def score(bnn: BayesianModel, predictive, targets: torch.Tensor) -> dict[str, float]:
-    """NLL and error (classification) or NLL and RMSE (regression) of a predictive.
+    """NLL and error (classification), or NLL, RMSE, CRPS and interval metrics (regression) of a predictive.
 
     Args:
         bnn: the model (for its likelihood).
@@ -151,16 +151,20 @@ def score(bnn: BayesianModel, predictive, targets: torch.Tensor) -> dict[str, fl
 
     Returns:
         ``{"nll": ..., "error": ...}`` for classification, with NLL the mean
-        −log p(y|x) (probabilities clamped at 1e-12); ``{"nll": ..., "rmse": ...}``
-        for regression, with NLL the Gaussian predictive NLL summed over output
-        dims and averaged over examples.
+        −log p(y|x) (probabilities clamped at 1e-12); for regression
+        ``{"nll", "rmse", "crps", "coverage_50", "width_50", "coverage_90", ...}``, with NLL the
+        Gaussian predictive NLL summed over output dims and averaged over examples, and the
+        CRPS (closed form) and the coverage and mean width of the central 50/90/95% intervals of
+        the Gaussian N(mean, var) (:func:`bayeswrap.evaluation.regression.regression_report`;
+        for a sampled predictive that is the moment-matched Gaussian of the mixture, as for the NLL).
     """
     if bnn.likelihood.name == "categorical":
         return {"nll": calibration.nll(predictive, targets), "error": 1.0 - calibration.accuracy(predictive, targets)}
     mean, var = predictive
     nll = 0.5 * ((targets - mean).pow(2) / var + var.log() + math.log(2 * math.pi))
     return {"nll": float(nll.reshape(len(nll), -1).sum(1).mean()),
-            "rmse": float((targets - mean).pow(2).mean().sqrt())}
+            "rmse": float((targets - mean).pow(2).mean().sqrt()),
+            **regression.regression_report(mean, var, targets)}
 
 
 def evaluate(bnn: BayesianModel, loader, num_samples: int = 5, **kwargs) -> dict[str, float]:

@@ -18,7 +18,7 @@ from bayeswrap.core.batches import NonFiniteInputError, batch_pair, batch_size, 
 from bayeswrap.core.checks import check_float, check_int
 from bayeswrap.core.functional import nonfinite_names
 from bayeswrap.core.schedules import check_factor
-from bayeswrap.methods.base import BayesianModel
+from bayeswrap.methods.base import BayesianModel, unwrap_compiled
 from bayeswrap.predictive import evaluate, model_device
 
 
@@ -69,7 +69,10 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
     running variance lacks the spread between the ranks' batch means).
 
     Args:
-        bnn: the Bayesian model; batches are moved to its device.
+        bnn: the Bayesian model; batches are moved to its device. ``torch.compile(bnn)`` is accepted and
+            the BayesianModel it wraps is trained (the same object): the loop calls ``bnn.loss`` and the
+            method's hooks, which run eagerly (a functional call on a storage-free copy), so compiling
+            changes nothing in training; the compiled module's ``forward`` (the predictive) stays compiled.
         train_loader: any iterable of ``(inputs, targets)`` pairs (a DataLoader, a list);
             if it has ``set_epoch(epoch)``, that is called before each epoch. Inputs are a
             tensor, a tuple of tensors (the model is called as ``model(x1, x2)``) or a dict
@@ -141,6 +144,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             epoch, so a NaN from the last step is caught), naming the parameter
             and the epoch. With early stopping the best state so far is restored.
     """
+    bnn = unwrap_compiled(bnn)
     if not isinstance(bnn, BayesianModel):
         raise ValueError(f"bnn must be a bayeswrap BayesianModel (from bw.wrap(model, method, ...)), got "
                          f"{type(bnn).__name__}")
@@ -198,7 +202,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                    disable=None if progress and distributed.is_main_process() else True,
                    leave=False)  # None: tqdm's own check, off when stderr is not a terminal
         for step, batch in enumerate(bar):
-            x, y = batch_pair(batch, f"train_loader batch {step} of epoch {epoch + 1}")
+            x, y = batch_pair(batch, f"train_loader batch {step} of epoch {epoch + 1}", bnn.label_key)
             x, y = to_device(x, device), to_device(y, device)
             if classification:
                 y = class_labels(y)  # int32, int16, uint8 ... labels as the int64 that cross_entropy needs

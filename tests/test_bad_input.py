@@ -42,7 +42,7 @@ def _fit(bnn, batches=None, optimizer=None, **kwargs):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"method": "nuts"}, r"method='nuts' is not known; accepted: \('map', 'vi', 'ivon', 'mc_dropout', 'sgld', 'swag', 'laplace'"),
-    ({"likelihood": "poisson"}, r"likelihood='poisson' is not known; accepted: \('categorical', 'gaussian'\)"),
+    ({"likelihood": "poisson"}, r"likelihood='poisson' is not known; accepted: \('categorical', 'gaussian', 'heteroscedastic'\)"),
     ({"bias": "gaussian"}, r"bias='gaussian' is not accepted by method 'vi'; accepted: \('informative', 'uninf"),
     ({"prior_std": 0.0}, r"prior_std=0.0 must be a number in \[1e-18, 1e\+18\]"),
     ({"prior_std": -1}, r"prior_std=-1 must be a number in \[1e-18, 1e\+18\]"),
@@ -264,17 +264,22 @@ def test_laplace_probit_predictive_checks_the_output_shape():
         bnn.predict(x)
 
 
-def test_model_that_returns_a_dict_is_a_type_error():
+def test_model_that_returns_a_dict_without_the_output_key_is_a_type_error():
     class Dict(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(3, 2)
 
         def forward(self, x):
-            return {"logits": self.lin(x)}
+            return {"scores": self.lin(x)}
 
-    with pytest.raises(TypeError, match=r"the model returned a dict; accepted: a tensor of outputs"):
-        bw.wrap(Dict(), "map", num_data=8).predict(_data(4)[0])
+    x = _data(4)[0]
+    with pytest.raises(TypeError, match=r"the model returned a dict with keys \['scores'\] and no tensor under "
+                                        r"output_key='logits'; accepted: set output_key="):
+        bw.wrap(Dict(), "map", num_data=8).predict(x)
+    model = Dict()
+    bnn = bw.wrap(model, "map", num_data=8, output_key="scores")
+    torch.testing.assert_close(bnn.predict(x, num_samples=0), model(x)["scores"].softmax(-1))
 
 
 def test_gaussian_likelihood_keeps_one_dimensional_outputs():
@@ -625,15 +630,16 @@ def test_lazy_model_is_refused_at_wrap():
 
 # ---------------------------------------------------------------------- #15 batches that are not pairs
 @pytest.mark.parametrize("batch, got", [
-    (lambda x, y: (x, y, y), r"a tuple of length 3"),
-    (lambda x, y: [x], r"a list of length 1"),
-    (lambda x, y: {"image": x, "label": y}, r"a dict with keys \['image', 'label'\]"),
-    (lambda x, y: x, r"a single tensor of shape \(8, 3\)"),
+    (lambda x, y: (x, y, y), r"a tuple of length 3; accepted: \(inputs, targets\) pairs"),
+    (lambda x, y: [x], r"a list of length 1; accepted: \(inputs, targets\) pairs"),
+    (lambda x, y: {"image": x, "label": y}, r"a dict with keys \['image', 'label'\] and no key 'labels' \(the "
+                                            r"targets\); accepted: a mapping with the targets under "
+                                            r"label_key='labels'.*or \(inputs, targets\) pairs"),
+    (lambda x, y: x, r"a single tensor of shape \(8, 3\); accepted: \(inputs, targets\) pairs"),
 ])
 def test_fit_needs_input_target_pairs(batch, got):
     bnn = bw.wrap(_mlp(), "map", num_data=8)
-    with pytest.raises(ValueError, match=rf"train_loader batch 0 of epoch 1 yielded {got}; accepted: \(inputs, "
-                                         r"targets\) pairs"):
+    with pytest.raises(ValueError, match=rf"train_loader batch 0 of epoch 1 yielded {got}"):
         _fit(bnn, batches=[batch(*_data())])
 
 

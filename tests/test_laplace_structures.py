@@ -227,7 +227,7 @@ def test_last_layer_is_found_by_timm_torchvision_or_module_order():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"hessian_structure": "lowrank"}, r"hessian_structure='lowrank'.*accepted: \('diag', 'kron', 'full'\)"),
-    ({"subset_of_weights": "subnetwork"}, r"subset_of_weights='subnetwork'.*accepted: \('all', 'last_layer'\)"),
+    ({"subset_of_weights": "subnetwork"}, r"subset_of_weights='subnetwork'.*accepted: \('all', 'last_layer', 'auto'\)"),
     ({"subset_of_weights": "last_layer", "params": ["0.*"]}, "one of them"),
     ({"hessian_structure": "full", "bias": "uninformative"}, "flat one"),
 ])

@@ -46,6 +46,7 @@ __all__ = [
     "MLP",
     "PretrainedWeightsError",
     "available_models",
+    "check_model_name",
     "create_model",
     "data_config",
     "find_head",
@@ -182,6 +183,31 @@ def _unknown(name: str, choices: Sequence[str], kind: str) -> ValueError:
     )
 
 
+def check_model_name(name: str, *, pretrained: bool = False, init_checkpoint=None) -> str:
+    """The checks of :func:`create_model` that need no weights: the name is known, ``mlp`` is not pretrained.
+
+    Cheap (the registries of timm and torchvision, no model is built): the command line runs it before
+    loading data or weights.
+
+    Raises:
+        ValueError: for an unknown name (suggesting close matches), or ``mlp`` with ``pretrained`` and no
+            ``init_checkpoint``.
+    """
+    if name == "mlp":
+        if pretrained and init_checkpoint is None:
+            raise ValueError("the 'mlp' model has no pretrained weights; use pretrained=False or init_checkpoint")
+    elif name.startswith(TV_PREFIX):
+        names = _tv_models()
+        if name[len(TV_PREFIX):] not in names:
+            raise _unknown(name, [TV_PREFIX + n for n in names], "torchvision")
+    else:
+        import timm
+
+        if not timm.is_model(name.split(".", 1)[0]):  # a pretrained tag such as ".a1_in1k" is allowed
+            raise _unknown(name, ["mlp", *timm.list_models(), *(TV_PREFIX + n for n in _tv_models())], "timm")
+    return name
+
+
 # --------------------------------------------------------------------------- creation
 
 
@@ -235,9 +261,8 @@ def create_model(
         raise ValueError(f"num_classes must be positive, got {num_classes}")
     num_classes = int(num_classes)
     use_pretrained = bool(pretrained) and init_checkpoint is None
+    check_model_name(name, pretrained=pretrained, init_checkpoint=init_checkpoint)
     if name == "mlp":
-        if pretrained and init_checkpoint is None:
-            raise ValueError("the 'mlp' model has no pretrained weights; use pretrained=False or init_checkpoint")
         if in_features is None:
             raise ValueError("the 'mlp' model needs in_features (the flattened input size, 64 for digits)")
         model: nn.Module = MLP(in_features, num_classes, hidden_sizes, dropout)

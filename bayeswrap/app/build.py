@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
 from bayeswrap import optim as bw_optim
-from bayeswrap.app.backbones import create_model, data_config, head_parameter_names
+from bayeswrap.app.backbones import check_model_name, create_model, data_config, head_parameter_names
 from bayeswrap.app.config import RunConfig
 from bayeswrap.core import distributed
+from bayeswrap.core.checks import check_device
 from bayeswrap.core.functional import select_parameters
-from bayeswrap.data.datasets import DataSplits, build_transforms, load_data
+from bayeswrap.core.io import file_kind
+from bayeswrap.data.datasets import NUM_CLASSES, DataSplits, build_transforms, load_data
 from bayeswrap.data.shift import hold_out_classes
 from bayeswrap.methods import METHODS, wrap
 from bayeswrap.methods.ensemble import Ensemble
@@ -167,6 +171,51 @@ def load_splits(cfg: RunConfig, model: torch.nn.Module | None = None):
     if held_out:
         splits, ood_test = hold_out_classes(splits, held_out)
     return splits, ood_test
+
+
+def preflight(cfg: RunConfig) -> None:
+    """The checks of :func:`build` that need no data and no weights, so that a bad option fails at once.
+
+    :meth:`RunConfig.validate` has checked each option's type, choice and range (and the method's options, by
+    its constructor on a stand-in model); these depend on this machine, its files, the model zoo and the
+    dataset's classes, which ``build`` would otherwise meet only after loading the data (and, for
+    ``pretrained``, the weights).
+
+    Raises:
+        ValueError: naming the option, the value and the accepted ones: an unknown ``model`` (close names
+            suggested) or ``model=mlp`` with ``pretrained``; an ``init_checkpoint`` that is not a file; a
+            ``device`` this machine lacks; ``ood_classes`` outside the dataset's classes, repeated, or all of them.
+    """
+    check_model_name(cfg.model, pretrained=cfg.pretrained, init_checkpoint=cfg.init_checkpoint or None)
+    if cfg.init_checkpoint:
+        kind = file_kind(cfg.init_checkpoint, follow_symlinks=True)
+        if kind is not None or not os.path.exists(cfg.init_checkpoint):
+            raise ValueError(f"init_checkpoint={cfg.init_checkpoint!r} {f'is {kind}' if kind else 'does not exist'}; "
+                             "accepted: a local weights file (.safetensors, or a torch.save state dict)")
+    check_device("device", cfg.device, available=True)
+    classes = cfg.held_out_classes(cfg.dataset)
+    num_classes = dataset_classes(cfg)
+    if not classes or num_classes is None:
+        return
+    accepted = (f"accepted: comma-separated distinct class indices in [0, {num_classes}) that keep at least one "
+                "class, auto or empty")
+    outside = [c for c in classes if c >= num_classes]
+    if outside:
+        raise ValueError(f"ood_classes={cfg.ood_classes!r}: class {outside[0]} is not a class of {cfg.dataset} "
+                         f"({num_classes} classes); {accepted}")
+    if len(set(classes)) < len(classes):
+        raise ValueError(f"ood_classes={cfg.ood_classes!r} repeats a class; {accepted}")
+    if len(classes) >= num_classes:
+        raise ValueError(f"ood_classes={cfg.ood_classes!r} holds out all {num_classes} classes of {cfg.dataset}, "
+                         f"leaving none to train on; {accepted}")
+
+
+def dataset_classes(cfg: RunConfig) -> int | None:
+    """The number of classes of the run's dataset, known without loading it (None: an image folder not found)."""
+    if cfg.dataset in NUM_CLASSES:
+        return NUM_CLASSES[cfg.dataset]
+    train = Path(cfg.data_root) / "train"  # imagefolder: one class per folder
+    return sum(1 for p in train.iterdir() if p.is_dir()) if train.is_dir() else None
 
 
 def build(cfg: RunConfig, *, for_evaluation: bool = False):

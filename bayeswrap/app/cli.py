@@ -7,7 +7,8 @@ rotation and noise shift, against held-out classes), and write the run folder::
 
     out_dir/<run-name>/
         config.yaml        the fully resolved config
-        metrics.json       per-epoch history and the final reports (calibration, selective, gamma, shift, ood)
+        metrics.json       per-epoch history and the final reports (calibration, selective, gamma, conformal, shift,
+                           ood)
         best.pt            best-validation checkpoint (torch.load(..., weights_only=True))
         last.pt            last epoch's checkpoint (for --resume)
         reliability_T1.png, reliability_Topt.png, temperature_curve.png, training_curves.png,
@@ -41,7 +42,16 @@ import torch
 import yaml
 
 from bayeswrap.app import runs
-from bayeswrap.app.build import EpochLoader, build, data_info, device_of, eval_loader, make_optimizer, make_scheduler
+from bayeswrap.app.build import (
+    EpochLoader,
+    build,
+    data_info,
+    device_of,
+    eval_loader,
+    make_optimizer,
+    make_scheduler,
+    preflight,
+)
 from bayeswrap.app.config import (
     FIELDS,
     RESUME_ALLOWED,
@@ -76,7 +86,7 @@ from bayeswrap.core.io import (
 from bayeswrap.data.datasets import DataError
 from bayeswrap.data.inputs import load_inputs
 from bayeswrap.data.shift import shifted_dataset
-from bayeswrap.evaluation import calibration, plots, protocol
+from bayeswrap.evaluation import calibration, conformal, plots, protocol
 from bayeswrap.evaluation.tuning import tune, tune_with_prior
 from bayeswrap.evaluation.uncertainty import expected_entropy, mutual_information, predictive_entropy
 from bayeswrap.methods import METHODS, Ensemble, tuning_bounds, tuning_option
@@ -123,6 +133,10 @@ def final_reports(bnn, splits, ood_test, cfg: RunConfig, num_samples: int, devic
         else None
     report = protocol.prediction_report(*test, val=val, n_bins=cfg.n_bins)
     report["num_samples"] = num_samples
+    # split conformal sets of the predictive at T = 1 (a temperature fitted on val would reuse the calibration data)
+    report["conformal"] = None if val is None else conformal.conformal_report(
+        val[0].double().mean(0), val[1], test[0].double().mean(0), test[1], cfg.conformal_alpha,
+        score=cfg.conformal_score)
     grids = {"rotation": cfg.rotation_angles(), "noise": cfg.noise_stds()}
     report["shift"] = protocol.shift_report(
         lambda kind, level: predict(shifted_dataset(splits.test, kind, level, image_shape=splits.image_shape,
@@ -280,15 +294,21 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
             ``batch_size`` that is not a multiple of the world size.
     """
     sample_counts = sample_counts or [cfg.num_samples]
+    preflight(cfg)  # the checks that need no data or weights, before the minutes of loading them
+    world = distributed.world_size()
+    if cfg.batch_size % world:
+        raise ValueError(f"batch_size={cfg.batch_size} is not a multiple of the world size {world}; accepted: a "
+                         f"multiple of {world} (--batch-size is the global batch, split equally over the processes)")
+    if distributed.is_main_process():
+        if resume:
+            runs.RunLock(Path(cfg.out_dir) / cfg.name).check_free()
+        else:
+            runs.check_new(cfg.out_dir, cfg.name, overwrite=cfg.overwrite)
     splits, ood_test, bnn, head, device = build(cfg)  # all input is checked before anything is written
     sampler = bnn.not_trained_by_fit() is not None  # full-batch MCMC: run_chains instead of fit
     if sampler:
         distributed.refuse(f"method={cfg.method!r}", "its chains run on the whole training set in one process "
                            "(run_chains), with no minibatches to shard")
-    world = distributed.world_size()
-    if cfg.batch_size % world:
-        raise ValueError(f"batch_size={cfg.batch_size} is not a multiple of the world size {world}; accepted: a "
-                         f"multiple of {world} (--batch-size is the global batch, split equally over the processes)")
     optimizer = None if sampler else make_optimizer(cfg, bnn, head)
     run_dir = Path(cfg.out_dir) / cfg.name
     main = distributed.is_main_process()
@@ -674,12 +694,13 @@ def compare_methods() -> tuple[str, ...]:
 
 COMPARE_COLUMNS = ("method", "tuned", "cost", "num_samples", "error", "ece", "nll", "ece_Topt", "nll_Topt", "temperature",
                    "shift_error", "shift_ece", "shift_nll", "shift_ece_Topt", "shift_nll_Topt",
-                   "ood_auroc_entropy", "ood_auroc_mi")
+                   "ood_auroc_entropy", "ood_auroc_mi", "coverage", "set_size")
 """Columns of comparison.md/.csv: the options chosen by tuning (``prior_std=0.3, kl_weight=0.01``; empty
 with ``--no-tune``); the final run's training time as a multiple of MAP's in the same comparison (empty
 without MAP; tuning runs not counted); in distribution at T = 1 and at the fitted T; the mean over every
 non-zero shift intensity (rotation and noise) at T = 1 and at the in-distribution T; OOD AUROC of
-held-out classes scored by predictive entropy and by mutual information (empty for S < 2)."""
+held-out classes scored by predictive entropy and by mutual information (empty for S < 2); the test coverage and
+mean size of the split conformal sets (``conformal_alpha``, ``conformal_score``; empty without validation data)."""
 
 
 def operating_points(method: str, metrics: dict) -> dict[str, dict]:
@@ -719,7 +740,9 @@ def comparison_rows(results: dict[str, dict]) -> list[dict]:
                          "temperature": rep.get("temperature"),
                          **{f"shift_{k}": shift.get(k) for k in ("error", "ece", "nll", "ece_Topt", "nll_Topt")},
                          "ood_auroc_entropy": (ood.get("entropy") or {}).get("auroc"),
-                         "ood_auroc_mi": (ood.get("mutual_information") or {}).get("auroc")})
+                         "ood_auroc_mi": (ood.get("mutual_information") or {}).get("auroc"),
+                         "coverage": (rep.get("conformal") or {}).get("coverage"),
+                         "set_size": (rep.get("conformal") or {}).get("mean_set_size")})
     return rows
 
 
@@ -829,6 +852,8 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
                          f"{foreign[0]} is an option of {', '.join(users[foreign[0]])}")
     # validate every method first (each method's options are checked by its constructor)
     configs = {m: resolve_values(file_values, {**overrides, "method": m}, foreign_flags="drop") for m in methods}
+    for method_cfg in configs.values():
+        preflight(method_cfg)  # model, files, device, classes: before any data or weights are loaded
     blind = [m for m in needs_validation_data(methods, tune_options, _knob) if configs[m].val_fraction == 0]
     if blind:
         raise ValueError(f"val_fraction=0 leaves no validation data, which tuning needs for {', '.join(blind)} "
@@ -1190,6 +1215,10 @@ def main(argv: list[str] | None = None) -> int:
             if report["shift"]["summary"]:
                 print("under shift (mean over intensities): " + ", ".join(
                     f"{k}={v:.4f}" for k, v in report["shift"]["summary"].items()))
+            if report.get("conformal"):
+                c = report["conformal"]
+                print(f"conformal {c['score']} sets at alpha={c['alpha']:g}: coverage={c['coverage']:.4f}, "
+                      f"mean size={c['mean_set_size']:.3f}")
             if report["ood"]:
                 print(f"held-out classes {report['ood']['classes']}: AUROC entropy="
                       f"{report['ood']['entropy']['auroc']:.4f}" + (

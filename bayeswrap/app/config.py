@@ -23,6 +23,7 @@ from bayeswrap.app.options import StrictLoader, coerce_option, option_specs, opt
 from bayeswrap.core.checks import MAX_PREDICTIVE_SAMPLES, SCALE_RANGE, check_device
 from bayeswrap.core.io import file_kind
 from bayeswrap.data.datasets import DATASETS
+from bayeswrap.evaluation.conformal import SCORES as CONFORMAL_SCORES
 from bayeswrap.methods import METHODS, wrap
 
 
@@ -103,6 +104,10 @@ class RunConfig:
                   "(float16 autocast with a gradient scaler); a bare --amp, true or yes mean bf16, false means none")
     num_workers: int = _f(0, "DataLoader worker processes")
     n_bins: int = _f(15, "bins of ECE/MCE and reliability diagrams")
+    conformal_alpha: float = _f(0.1, "miscoverage α of the split conformal prediction sets (threshold from the "
+                                "validation set, coverage and set size on test), in (0, 1)")
+    conformal_score: str = _f("aps", "conformity score of the conformal sets (non-randomized): lac (1 - p_y), aps "
+                              "(Romano et al. 2020) or raps (Angelopoulos et al. 2021, k_reg=1, lambda=0.01)")
     # evaluation under shift and out of distribution
     shift_rotations: str = _f(",".join(str(a) for a in range(0, 181, 15)),
                               "rotation angles (degrees) of the shift evaluation (Ovadia et al. 2019); empty = none")
@@ -199,8 +204,10 @@ class RunConfig:
                 raise ValueError(f"{name} is not an option of method {self.method!r}" + (
                     f" (it is an option of {', '.join(users)})" if users else "") +
                     f"; accepted: {', '.join(specs) or 'none'}")
-        stand_in = wrap(torch.nn.Linear(2, 2), self.method, num_data=10, prior_std=self.prior_std, bias=self.bias,
-                        kl_weight=self.kl_weight, **self.method_arguments("init"))
+        # a Linear, with a dropout module for mc_dropout's mode="layers" (which refuses a model without one)
+        stand_in = wrap(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)), self.method, num_data=10,
+                        prior_std=self.prior_std, bias=self.bias, kl_weight=self.kl_weight,
+                        **self.method_arguments("init"))
         check_run = getattr(stand_in, "check_run_options", None)
         if check_run is not None:
             run = self.method_arguments("run")
@@ -286,7 +293,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 CHOICES: dict[str, tuple[str, ...]] = {
     "dataset": DATASETS, "prior_mean": ("auto", "init", "zero"), "optimizer": ("sgd", "adamw"),
     "scheduler": ("constant", "cosine"),
-    "amp": ("none", "bf16", "fp16"),
+    "amp": ("none", "bf16", "fp16"), "conformal_score": CONFORMAL_SCORES,
 }
 
 #: spellings ``amp`` accepts, and the value each stands for (booleans: configs written before fp16 existed)
@@ -328,11 +335,12 @@ RANGES: dict[str, tuple[Any, str]] = {
     "kl_weight": (lambda v: v >= 0, "a finite number >= 0"),
     "num_data_inflate": (lambda v: v > 0, "a finite number > 0"),
     "noise_scale": (lambda v: v >= 0, "a finite number >= 0"),
+    "conformal_alpha": (lambda v: 0 < v < 1, "a number in (0, 1) (miscoverage of the conformal sets)"),
 }
 #: options a resumed run may change: they do not touch the data, the split, the model or the method
 RESUME_ALLOWED = ("epochs", "lr", "lr_head", "momentum", "weight_decay", "scheduler", "warmup_epochs",
                   "grad_clip_norm", "num_samples", "n_bins", "shift_rotations", "shift_noise", "device",
-                  "num_workers", "progress", "amp")
+                  "num_workers", "progress", "amp", "conformal_alpha", "conformal_score")
 
 
 def check_run_name(name: str) -> str:

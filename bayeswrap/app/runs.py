@@ -76,17 +76,21 @@ class RunLock:
             return None
         return pid, host
 
+    def check_free(self) -> None:
+        """Raises RunFolderError, naming the process, if a live process holds the lock."""
+        holder = self.owner()
+        if holder is not None:
+            raise RunFolderError(
+                f"run folder {self.run_dir} is in use by process {holder[0]} on {holder[1]} (lock file "
+                f"{self.path}); wait for that run to finish, or remove the lock file if that process is "
+                f"gone") from None
+
     def acquire(self) -> RunLock:
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                holder = self.owner()
-                if holder is not None:
-                    raise RunFolderError(
-                        f"run folder {self.run_dir} is in use by process {holder[0]} on {holder[1]} (lock file "
-                        f"{self.path}); wait for that run to finish, or remove the lock file if that process is "
-                        f"gone") from None
+                self.check_free()
                 self.path.unlink(missing_ok=True)  # stale: its process is gone
                 continue
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -141,10 +145,8 @@ def open_new(out_dir: str | os.PathLike, name: str, *, overwrite: bool = False, 
         RunFolderError: if the folder exists (without ``overwrite``), is not a
             bayeswrap run folder, is a symlink, lies outside ``out_dir``, or is locked.
     """
-    out_dir, run_dir = Path(out_dir), Path(out_dir) / name
-    if not name or Path(name).name != name or name in (".", ".."):
-        raise RunFolderError(f"run name {name!r} is not a single folder name")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = check_new(out_dir, name, overwrite=overwrite)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     if not (run_dir.exists() or run_dir.is_symlink()):
         try:
             run_dir.mkdir()
@@ -153,6 +155,31 @@ def open_new(out_dir: str | os.PathLike, name: str, *, overwrite: bool = False, 
         lock = RunLock(run_dir).acquire()
         _write_marker(run_dir, kind)
         return lock
+    lock = RunLock(run_dir).acquire()  # refuses a live run
+    try:
+        clear(run_dir)
+        _write_marker(run_dir, kind)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def check_new(out_dir: str | os.PathLike, name: str, *, overwrite: bool = False) -> Path:
+    """The checks of :func:`open_new`, which change nothing: run before any data or weights are loaded.
+
+    Returns:
+        ``out_dir/name``, a path that does not exist or (with ``overwrite``) a replaceable run folder.
+
+    Raises:
+        RunFolderError: if the folder exists (without ``overwrite``), is not a bayeswrap run folder, is a
+            symlink, lies outside ``out_dir``, or a live process holds it.
+    """
+    out_dir, run_dir = Path(out_dir), Path(out_dir) / name
+    if not name or Path(name).name != name or name in (".", ".."):
+        raise RunFolderError(f"run name {name!r} is not a single folder name")
+    if not (run_dir.exists() or run_dir.is_symlink()):
+        return run_dir
     hint = f"pass --resume {run_dir} to continue it"
     if not overwrite:
         raise RunFolderError(f"run folder {run_dir} exists; {hint} or --overwrite to replace it")
@@ -162,14 +189,8 @@ def open_new(out_dir: str | os.PathLike, name: str, *, overwrite: bool = False, 
     if not is_run_folder(run_dir):
         raise RunFolderError(f"--overwrite: {run_dir} is not a bayeswrap run folder (no {MARKER} file); not "
                              f"removing it. Choose another --run-name or --out-dir")
-    lock = RunLock(run_dir).acquire()  # refuses a live run
-    try:
-        clear(run_dir)
-        _write_marker(run_dir, kind)
-    except BaseException:
-        lock.release()
-        raise
-    return lock
+    RunLock(run_dir).check_free()
+    return run_dir
 
 
 def clear(run_dir: Path) -> None:

@@ -1,6 +1,7 @@
 """Batch structure and input checks shared by training, prediction and every method.
 
-A loader batch is an ``(inputs, targets)`` pair. Inputs are a tensor, a tuple of
+A loader batch is an ``(inputs, targets)`` pair, or a mapping with the targets under
+a label key (a Hugging Face batch, :func:`batch_pair`). Inputs are a tensor, a tuple of
 positional tensors (the model is called as ``model(x1, x2)``), or a mapping of
 named tensors (e.g. a Hugging Face ``BatchEncoding``; how the model receives it is
 :func:`bayeswrap.core.functional.call`'s convention); lists and nested structures
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 __all__ = ["NonFiniteInputError", "batch_pair", "batch_size", "check_inputs_finite", "class_labels", "map_tensors",
-           "take", "tensor_leaves", "to_device", "unsqueeze", "x_device"]
+           "take", "tensor_leaves", "to_device", "unsqueeze", "without_key", "x_device"]
 
 #: integer label dtypes cast to int64 by :func:`class_labels` (what ``cross_entropy`` needs)
 _NARROW_LABELS = frozenset(getattr(torch, name) for name in ("int8", "int16", "int32", "uint8", "uint16", "uint32",
@@ -38,28 +39,55 @@ class NonFiniteInputError(ValueError):
         self.output = output
 
 
-def batch_pair(batch, where: str = "the loader"):
+def batch_pair(batch, where: str = "the loader", label_key: str = "labels"):
     """``(inputs, targets)`` of one loader batch, or a ValueError saying what the batch was.
+
+    Accepted batches are ``(inputs, targets)`` pairs (a tuple or list of length 2)
+    and mappings that hold the targets under ``label_key``: a Hugging Face batch
+    ``{"input_ids": ..., "attention_mask": ..., "labels": ...}`` from a data collator
+    gives the inputs ``{"input_ids": ..., "attention_mask": ...}`` (every other key, in
+    order; the model is then called as ``model(**inputs)``) and the targets
+    ``batch["labels"]`` (laplace-torch's ``dict_key_x``/``dict_key_y`` convention).
 
     Args:
         batch: one item yielded by a loader.
         where: how to name the loader and batch in the message, e.g. ``"train_loader batch 3"``.
+        label_key: the key of the targets in a mapping batch (Hugging Face's ``"labels"`` by default).
 
     Raises:
-        ValueError: unless ``batch`` is a pair (tuple or list of length 2).
+        ValueError: unless ``batch`` is a pair, or a mapping that holds ``label_key`` and at least one other key.
     """
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     if isinstance(batch, Mapping):
-        got = f"a {type(batch).__name__} with keys {list(batch)[:8]}"
-    elif isinstance(batch, (tuple, list)):
+        keys = list(batch)
+        if label_key in batch and len(keys) > 1:
+            return {k: v for k, v in batch.items() if k != label_key}, batch[label_key]
+        missing = (f"no key {label_key!r} (the targets)" if label_key not in batch
+                   else f"only the targets {label_key!r}")
+        raise ValueError(f"{where} yielded a {type(batch).__name__} with keys {keys[:8]} and {missing}; accepted: "
+                         f"a mapping with the targets under label_key={label_key!r} and the model's keyword inputs "
+                         "under the other keys (set label_key= in bw.wrap to the key of your targets), or "
+                         "(inputs, targets) pairs")
+    if isinstance(batch, (tuple, list)):
         got = f"a {type(batch).__name__} of length {len(batch)}"
     elif isinstance(batch, torch.Tensor):
         got = f"a single tensor of shape {tuple(batch.shape)}"
     else:
         got = f"a {type(batch).__name__}"
     raise ValueError(f"{where} yielded {got}; accepted: (inputs, targets) pairs, e.g. a DataLoader over a "
-                     "TensorDataset(x, y) or a list of (x, y) tuples (wrap other loaders so they yield pairs)")
+                     "TensorDataset(x, y) or a list of (x, y) tuples, or mappings with the targets under "
+                     f"label_key={label_key!r} (a Hugging Face batch); wrap other loaders so they yield one of these")
+
+
+def without_key(x, key: str):
+    """A mapping input without ``key`` (e.g. the labels of a whole Hugging Face batch passed to ``predict``).
+
+    Other inputs, and mappings without ``key``, are returned as they are.
+    """
+    if isinstance(x, Mapping) and key in x:
+        return {k: v for k, v in x.items() if k != key}
+    return x
 
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], x):

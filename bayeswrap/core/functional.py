@@ -9,13 +9,18 @@ posterior mean, a batch of samples under ``vmap``) can be plugged in.
 from __future__ import annotations
 
 import fnmatch
+import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Union
 
 import torch
 from torch import nn
-from torch.func import functional_call
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from bayeswrap.core.batches import map_tensors
 
 ParamSelector = Union[None, str, Sequence[str], Callable[[str, torch.Tensor], bool]]
 
@@ -91,16 +96,19 @@ def select_parameters(model: nn.Module, params: ParamSelector) -> list[str]:
 
     Args:
         model: the user's module.
-        params: ``None`` for every trainable parameter; a glob pattern or a list
-            of glob patterns over parameter names (``fnmatch`` syntax, e.g.
-            ``["head.*"]`` or ``["blocks.*.mlp.*"]``); or a callable
-            ``(name, tensor) -> bool``.
+        params: ``None`` for every trainable parameter; ``"last_layer"`` for the
+            weight and bias of the classifier (:func:`find_last_layer`: timm's
+            ``get_classifier()``, torchvision's and Hugging Face's head names, else the
+            last ``nn.Linear``); a glob pattern or a list of glob patterns over parameter
+            names (``fnmatch`` syntax, e.g. ``["fc.*"]`` or ``["blocks.*.mlp.*"]``); or a
+            callable ``(name, tensor) -> bool``.
 
     Returns:
         The selected names, in ``model.named_parameters()`` order.
 
     Raises:
-        ValueError: if a pattern matches no trainable parameter, if nothing is
+        ValueError: if a pattern matches no trainable parameter (the message names the
+            classifier's parameters, which ``"last_layer"`` selects), if nothing is
             selected (an empty list selects nothing), or if ``params`` has an unsupported type.
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -114,6 +122,8 @@ def select_parameters(model: nn.Module, params: ParamSelector) -> list[str]:
             raise ValueError("the `params` callable selected no parameter; "
                              f"trainable parameters are e.g. {[n for n, _ in named][:8]}")
         return chosen
+    if isinstance(params, str) and params == "last_layer":
+        return last_layer_params(model, find_last_layer(model))
     if isinstance(params, str):
         params = [params]
     if not isinstance(params, Iterable):
@@ -128,9 +138,85 @@ def select_parameters(model: nn.Module, params: ParamSelector) -> list[str]:
         if not isinstance(pat, str):
             raise ValueError(f"params pattern {pat!r} is not a string; accepted: glob patterns such as 'head.*'")
         if not any(fnmatch.fnmatchcase(n, pat) for n, _ in named):
-            raise ValueError(f"params pattern {pat!r} matches no trainable parameter; "
-                             f"parameter names look like {[n for n, _ in named][:8]}")
+            raise ValueError(f"params pattern {pat!r} matches no trainable parameter; parameter names look like "
+                             f"{[n for n, _ in named][:4]}{_classifier_hint(model)}")
     return [n for n, _ in named if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+
+
+#: attribute paths of classification heads, tried in this order: torchvision's (``fc``, ``classifier``, ``head``,
+#: ``heads.head``) and Hugging Face's (``classifier``, ``score``)
+CLASSIFIER_HEADS = ("fc", "classifier", "head", "heads.head", "score")
+
+
+def find_last_layer(model: nn.Module) -> str:
+    """The name of the model's classifier, the layer ``params="last_layer"`` (Laplace: ``subset_of_weights``) selects.
+
+    Tried in order: timm's ``model.get_classifier()`` (the module it returns),
+    torchvision's and Hugging Face's head attributes (:data:`CLASSIFIER_HEADS`; in an
+    ``nn.Sequential`` head, its last ``nn.Linear``), else the last ``nn.Linear``
+    in ``model.modules()`` order.
+
+    Args:
+        model: the user's module.
+
+    Returns:
+        A dotted module name ("" for a model that is itself an ``nn.Linear``).
+
+    Raises:
+        ValueError: if the model has no ``nn.Linear`` layer with trainable parameters.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def usable(m) -> bool:
+        return isinstance(m, nn.Linear) and m.weight.requires_grad
+
+    def last_linear(m) -> nn.Module | None:
+        found = None
+        for sub in m.modules():
+            if usable(sub):
+                found = sub
+        return found
+
+    candidates = []
+    get_classifier = getattr(model, "get_classifier", None)
+    if callable(get_classifier):
+        try:
+            candidates.append(get_classifier())
+        except Exception:  # a model's own method with another meaning
+            pass
+    for path in CLASSIFIER_HEADS:
+        try:
+            candidates.append(model.get_submodule(path))
+        except AttributeError:
+            continue
+    for m in candidates:
+        if isinstance(m, nn.Module) and id(m) in names:
+            found = last_linear(m)
+            if found is not None:
+                return names[id(found)]
+    found = last_linear(model)
+    if found is None:
+        raise ValueError("the last layer ('last_layer') was not found: no nn.Linear layer with trainable parameters in "
+                         f"{type(model).__name__}; accepted: a model with a linear classifier, or "
+                         "params=[...] patterns over parameter names")
+    return names[id(found)]
+
+
+def last_layer_params(model: nn.Module, name: str) -> list[str]:
+    """The trainable parameter names of the layer ``name`` (weight, then bias)."""
+    module = model.get_submodule(name)
+    prefix = f"{name}." if name else ""
+    return [prefix + a for a, p in module.named_parameters(recurse=False) if p.requires_grad]
+
+
+def _classifier_hint(model: nn.Module) -> str:
+    """``"; the classifier is ['fc.weight', 'fc.bias'] ..."`` for a no-match message, or "" if none is found."""
+    try:
+        names = last_layer_params(model, find_last_layer(model))
+    except ValueError:
+        return ""
+    prefix = names[0].rsplit(".", 1)[0] + ".*" if "." in names[0] else "*"
+    return f"; the classifier is {names} (params='last_layer' or [{prefix!r}] selects it)"
 
 
 def split_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -149,7 +235,7 @@ def split_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, to
 
 
 def call(model: nn.Module, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-         x: torch.Tensor | tuple) -> torch.Tensor:
+         x: torch.Tensor | tuple, output_key: str = "logits") -> torch.Tensor:
     """Evaluates ``model`` at the given tensors without touching its own state.
 
     ``torch.func.functional_call(model, (params, buffers), x)``. In train mode
@@ -162,13 +248,52 @@ def call(model: nn.Module, params: Mapping[str, torch.Tensor], buffers: Mapping[
         buffers: every buffer of ``model`` by name.
         x: the input, a tuple of positional inputs (``model(*x)``), or a mapping of keyword inputs
             (``model(**x)``, as a Hugging Face batch without its labels).
+        output_key: which output to use when the model returns a mapping (see :func:`model_output`).
 
     Returns:
-        Whatever ``model.forward`` returns.
+        The model's output tensor: what ``model.forward`` returns, read by :func:`model_output`.
     """
     args, kwargs = call_arguments(x)
-    return functional_call(model, (dict(params), dict(buffers)), args, kwargs, tie_weights=_has_tied_tensors(model),
-                           strict=False)
+    out = functional_call(model, (dict(params), dict(buffers)), args, kwargs, tie_weights=_has_tied_tensors(model),
+                          strict=False)
+    return out if isinstance(out, torch.Tensor) else model_output(out, output_key)
+
+
+def model_output(out, output_key: str = "logits") -> torch.Tensor:
+    """The output tensor of a model's return value: a tensor, a mapping, a ``ModelOutput`` or a tuple.
+
+    A tensor is returned as it is; a mapping (a ``dict``, or a Hugging Face
+    ``ModelOutput``, which is an ordered mapping) gives ``out[output_key]``; a tuple or
+    list gives its first element (Hugging Face's ``return_dict=False`` output when no
+    labels are passed starts with the logits); any other object its attribute
+    ``output_key``.
+
+    Args:
+        out: what ``model.forward`` returned.
+        output_key: the key of the outputs in a mapping (Hugging Face's ``"logits"`` by default).
+
+    Returns:
+        The tensor of outputs, e.g. logits of shape (B, K).
+
+    Raises:
+        TypeError: if no tensor is found that way; the message names the keys (or the type) that were returned.
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping):
+        value = out.get(output_key)
+        if isinstance(value, torch.Tensor):
+            return value
+        raise TypeError(f"the model returned a {type(out).__name__} with keys {list(out)[:8]} and no tensor under "
+                        f"output_key={output_key!r}; accepted: set output_key= in bw.wrap to the key of the "
+                        "outputs (e.g. 'logits')")
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    value = getattr(out, output_key, None)
+    if isinstance(value, torch.Tensor):
+        return value
+    raise TypeError(f"the model returned a {type(out).__name__}; accepted: a tensor of outputs, a tuple whose first "
+                    f"element is one, or a mapping / ModelOutput with the outputs under output_key={output_key!r}")
 
 
 def call_arguments(x) -> tuple[tuple, dict | None]:
@@ -178,6 +303,47 @@ def call_arguments(x) -> tuple[tuple, dict | None]:
     if isinstance(x, Mapping):
         return (), dict(x)
     return (x if isinstance(x, tuple) else (x,)), None
+
+
+def vmap_over_examples(fn: Callable, in_dims=0) -> Callable:
+    """``torch.func.vmap(fn, in_dims)`` that falls back to a loop where vmap cannot run the model.
+
+    Some models cannot run under ``vmap``: Hugging Face's attention masks branch
+    in Python on ``mask.all()`` ("data-dependent control flow"), ``nn.GRU``/``nn.RNN``
+    add in place into a hidden state they create unbatched, and ``nn.LSTM``'s
+    backward kernel has no batching rule ("workspace"). When ``vmap`` raises a
+    RuntimeError, ``fn`` is called once per slice (each slice taken as ``vmap``
+    would pass it) and the results are stacked along dimension 0: the values vmap
+    would return, at the cost of a Python loop, with a RuntimeWarning. If the loop
+    fails too, its error is raised (so errors of the model itself surface as they are).
+
+    Args:
+        fn: a function of per-example (or per-row) arguments, as for ``vmap``.
+        in_dims: ``vmap``'s ``in_dims``: an int, or a tuple with an int or None per argument.
+
+    Returns:
+        A function of batched arguments returning ``fn``'s outputs stacked along dimension 0.
+    """
+
+    def run(*args):
+        try:
+            return vmap(fn, in_dims=in_dims)(*args)
+        except RuntimeError as e:
+            reason = str(e).splitlines()[0][:160]
+        dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(args)
+        count = next(t.shape[d] for a, d in zip(args, dims) if d is not None
+                     for t in tree_flatten(a)[0] if isinstance(t, torch.Tensor))
+        outs = []
+        for i in range(count):
+            one = [a if d is None else tree_map(lambda t, d=d: t.select(d, i) if isinstance(t, torch.Tensor) else t, a)
+                   for a, d in zip(args, dims)]
+            outs.append(fn(*one))
+        warnings.warn(f"vmap cannot run this model ({reason}); bayeswrap loops instead (the same values, slower)",
+                      RuntimeWarning, stacklevel=2)
+        flat = [tree_flatten(o)[0] for o in outs]
+        return tree_unflatten([torch.stack(ts) for ts in zip(*flat)], tree_flatten(outs[0])[1])
+
+    return run
 
 
 _TIED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
@@ -225,3 +391,32 @@ def nonfinite_names(tensors: Iterable[tuple[str, torch.Tensor]], nan_only: Calla
                              for n, t in items]).logical_not().tolist()
         bad.update(n for (n, _), f in zip(items, flags) if f)
     return [n for n in order if n in bad]
+
+
+def outside_inference_mode(fn: Callable) -> Callable:
+    """Decorator: runs ``fn`` outside ``torch.inference_mode`` when it is called inside it.
+
+    Functions that differentiate internally (Laplace's curvature, its linearised
+    predictive) need autograd, which ``torch.inference_mode`` switches off for
+    every tensor made inside it (``torch.enable_grad()`` does not bring it back):
+    the gradients would be missing or wrong. Lightning's ``Trainer`` predicts,
+    validates and tests under inference mode by default. The wrapper leaves it
+    (``torch.inference_mode(False)``) and clones the tensor arguments that are
+    inference tensors (``Tensor.is_inference()``), nested inputs included
+    (:func:`bayeswrap.core.batches.map_tensors`), so that autograd may save them;
+    the ``torch.no_grad`` state is kept. Outside inference mode ``fn`` is called
+    as it is.
+    """
+    def normal(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if t.is_inference() else t
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode(False):
+            args = tuple(map_tensors(normal, a) for a in args)
+            kwargs = {k: map_tensors(normal, v) for k, v in kwargs.items()}
+            return fn(*args, **kwargs)
+
+    return wrapper

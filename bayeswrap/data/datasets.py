@@ -79,6 +79,7 @@ __all__ = [
     "DEFAULT_ROOT",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "NUM_CLASSES",
     "ArrayDataset",
     "DataDownloadError",
     "DataError",
@@ -96,6 +97,9 @@ __all__ = [
 
 #: Dataset names accepted by :func:`load_data`.
 DATASETS: tuple[str, ...] = ("digits", "mnist5k", "pets", "flowers102", "imagefolder")
+#: Classes of the datasets with a fixed label set (an ``imagefolder`` has one per folder of ``root/train``), known
+#: without loading them: options that name classes are checked against these before any data is read.
+NUM_CLASSES: dict[str, int] = {"digits": 10, "mnist5k": 10, "pets": 37, "flowers102": 102}
 
 #: Root used when ``root`` is not given: ``$BAYESWRAP_DATA`` or ``./data``.
 DEFAULT_ROOT: Path = Path(os.environ.get("BAYESWRAP_DATA", "data"))

@@ -70,8 +70,8 @@ def method_options(method: str) -> tuple[str, ...]:
 
 
 def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, prior_mean="init",
-         bias: str = "informative", params=None, likelihood: str = "categorical", noise_std: float = 1.0,
-         **method_options_) -> BayesianModel:
+         bias: str = "informative", params=None, likelihood: str = "categorical", noise_std: float | str = 1.0,
+         output_key: str = "logits", label_key: str = "labels", **method_options_) -> BayesianModel:
     """Makes any ``nn.Module`` Bayesian in one line.
 
     ``bw.wrap(model, "vi", num_data=len(train_set), prior_std=1.0)`` puts the prior
@@ -92,12 +92,20 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
         bias: ``"informative"`` or ``"uninformative"`` (MC-dropout also
             ``"gaussian"``, ``"spikymix"``, ``"ignore"``).
         params: Bayesian parameters: ``None`` (all), a non-empty list of glob patterns, or a callable.
-        likelihood: ``"categorical"`` or ``"gaussian"``.
-        noise_std: Gaussian likelihood noise std.
+        likelihood: ``"categorical"``, ``"gaussian"`` (y ~ N(f(x), noise_std²)) or ``"heteroscedastic"``
+            (the model returns (B, 2D): D means, then D log-variances; not with ``"laplace"``).
+        noise_std: Gaussian likelihood noise std: a number, or ``"learn"`` for a learned point estimate
+            (log σ, starting at σ = 1; ``bnn.noise_std`` reads and sets it) that ``bnn.parameters()`` exposes
+            and the training loss learns jointly with the weights; Laplace learns it by marginal likelihood in
+            ``optimize_prior_precision("marglik")``. Not with ensembles or the full-batch samplers.
+        output_key: the key of the outputs of a model that returns a mapping or a Hugging Face
+            ``ModelOutput`` (``"logits"``); a tuple output is read at its first element.
+        label_key: the key of the targets in loaders that yield mappings (a Hugging Face data
+            collator's ``"labels"``); the other keys are passed to the model as keyword inputs.
         **method_options_: ``kl_weight`` and ``chunk_size`` for every method, plus
             the method's own options (see :func:`method_options`):
             vi: ``init_std``, ``num_train_samples``; mc_dropout: ``p_drop``,
-            ``num_train_samples``; sgld: ``burn_in``, ``thinning``; swag: ``swa_start``, ``collect_every``,
+            ``num_train_samples``, ``mode`` (``"layers"``: the model's own dropout), ``layer_p``; sgld: ``burn_in``, ``thinning``; swag: ``swa_start``, ``collect_every``,
             ``max_rank``, ``scale``, ``covariance``, ``swa_lr``, ``bn_update_batches``; laplace:
             ``curvature``, ``curvature_chunk_size``; ivon: ``hess_init``; sparse_vd: ``init_log_var``;
             kingma_vd: ``init_log_alpha`` (``method_options(name)`` lists them all).
@@ -113,7 +121,8 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
             non-integral floats are refused; numpy integers, 0-d integer tensors
             and integral floats such as 3.0 are accepted); scales (``prior_std``,
             ``init_std``, ``noise_std``, ``kl_weight`` > 0) outside [1e-18, 1e18],
-            so that float32 holds σ², 1/σ² and log σ; ``params=[]``; a model on the
+            so that float32 holds σ², 1/σ² and log σ; ``noise_std="learn"`` with a likelihood other than
+            ``"gaussian"`` or with an ensemble or sampler; ``likelihood="heteroscedastic"`` with Laplace; ``params=[]``; a model on the
             ``meta`` device, or with NaN/inf weights or ``prior_mean`` tensors.
 
     Example:
@@ -125,8 +134,12 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
     unknown = [k for k in method_options_ if k not in accepted]
     if unknown:
         raise ValueError(f"option(s) {unknown} are not accepted by method {method!r}; accepted: {accepted}")
-    return METHODS[method](model, num_data=num_data, prior_std=prior_std, prior_mean=prior_mean, bias=bias,
-                           params=params, likelihood=likelihood, noise_std=noise_std, **method_options_)
+    arguments = dict(num_data=num_data, prior_std=prior_std, prior_mean=prior_mean, bias=bias, params=params,
+                     likelihood=likelihood, noise_std=noise_std, output_key=output_key, label_key=label_key,
+                     **method_options_)
+    bnn = METHODS[method](model, **arguments)
+    bnn.wrap_arguments = {"method": method, **arguments}  # what bayeswrap.save stores to rebuild it
+    return bnn
 
 
 __all__ = ["METHODS", "BayesianModel", "LossOutput", "NotFittedError", "register_method", "wrap", "method_options",

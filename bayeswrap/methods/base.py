@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import sys
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -30,7 +31,7 @@ from torch import nn
 from torch.func import vmap
 
 from bayeswrap.core import fused
-from bayeswrap.core.batches import NonFiniteInputError, check_inputs_finite, class_labels, x_device
+from bayeswrap.core.batches import NonFiniteInputError, check_inputs_finite, class_labels, without_key, x_device
 from bayeswrap.core.checks import SCALE_RANGE, check_float, check_int, check_scale
 from bayeswrap.core.functional import (
     NamedTensors,
@@ -41,7 +42,7 @@ from bayeswrap.core.functional import (
     split_state,
 )
 from bayeswrap.core.layers import LRTLayer, find_lrt_layers, lrt_copy
-from bayeswrap.core.likelihoods import at_least_float32, make_likelihood
+from bayeswrap.core.likelihoods import make_likelihood
 from bayeswrap.core.priors import GaussianPrior
 
 METHODS: dict[str, type[BayesianModel]] = {}
@@ -60,7 +61,7 @@ def register_method(name: str):
 
 #: the options of :class:`BayesianModel` itself, which every method takes (the rest are a method's own)
 COMMON_OPTIONS = ("num_data", "prior_std", "prior_mean", "bias", "params", "likelihood", "noise_std", "kl_weight",
-                  "chunk_size")
+                  "chunk_size", "output_key", "label_key")
 
 
 def method_option_defaults(method: str) -> dict:
@@ -112,7 +113,9 @@ class BayesianModel(nn.Module, ABC):
 
     Args:
         model: any ``nn.Module``, e.g. a pretrained timm/torchvision ResNet or ViT,
-            with real, finite weights (not on the ``meta`` device).
+            with real, finite weights (not on the ``meta`` device). A module compiled with
+            ``torch.compile`` is accepted and unwrapped (:func:`unwrap_compiled`): parameter names are the
+            plain model's, without the ``_orig_mod.`` prefix.
         num_data: N, the number of training examples that scales the prior or KL
             term (BayesDLL's ``ND * Ninflate``). Integer ≥ 1 (numpy integers,
             0-d integer tensors and integral floats are accepted).
@@ -126,15 +129,26 @@ class BayesianModel(nn.Module, ABC):
         params: which parameters are Bayesian: ``None`` (all trainable ones), a
             list of glob patterns over parameter names, or a callable
             ``(name, tensor) -> bool``.
-        likelihood: ``"categorical"`` (cross-entropy on logits) or ``"gaussian"``
-            (regression, eq. 2).
-        noise_std: output noise std of the Gaussian likelihood, in target units.
+        likelihood: ``"categorical"`` (cross-entropy on logits), ``"gaussian"``
+            (regression, eq. 2) or ``"heteroscedastic"`` (the model outputs (B, 2D): means
+            and log-variances; :class:`~bayeswrap.core.likelihoods.Heteroscedastic`).
+        noise_std: output noise std of the Gaussian likelihood, in target units, or
+            ``"learn"``: a point estimate of log σ (starting at σ = 1) that ``parameters()``
+            exposes, trained jointly in the loss (Laplace: by the marginal likelihood in
+            ``optimize_prior_precision("marglik")``); see :attr:`noise_std`.
         kl_weight: multiplies the KL/prior term (BayesDLL's ``kld``); 1 is the
             exact posterior, smaller values discount the prior (e.g. to account
             for data augmentation). 0 or a number in [1e-18, 1e18].
         chunk_size: number of posterior samples evaluated at once under ``vmap``
             by :meth:`sample_logits` (integer ≥ 1); bounds memory to ``chunk_size``
             copies of the Bayesian parameters.
+        output_key: for a model that returns a mapping or a Hugging Face ``ModelOutput``,
+            the key of its outputs (``"logits"``); a model that returns a tuple is read at
+            its first element (:func:`bayeswrap.core.functional.model_output`).
+        label_key: for loaders that yield mappings (Hugging Face batches), the key of the
+            targets (``"labels"``); the other keys are the model's keyword inputs
+            (:func:`bayeswrap.core.batches.batch_pair`). ``predict`` drops this key from a
+            mapping input.
 
     Raises:
         ValueError: on an unknown likelihood or bias option; ``num_data`` or
@@ -176,13 +190,18 @@ class BayesianModel(nn.Module, ABC):
     #: further operating points of one fitted posterior, which ``bayeswrap compare`` scores as rows of their own,
     #: "<method> (<name>)" (Laplace: "marglik"); :meth:`use_operating_point` moves the model to one
     operating_points: tuple[str, ...] = ()
+    #: whether ``noise_std="learn"`` is accepted (not by ensembles, whose members would each need their own σ, nor by
+    #: full-batch samplers, which do not train point estimates)
+    supports_learned_noise = True
 
     def __init__(self, model: nn.Module, *, num_data: int, prior_std: float | None = 1.0, prior_mean="init",
                  bias: str = "informative", params: ParamSelector = None, likelihood: str = "categorical",
-                 noise_std: float = 1.0, kl_weight: float = 1.0, chunk_size: int = 8):
+                 noise_std: float | str = 1.0, kl_weight: float = 1.0, chunk_size: int = 8, output_key: str = "logits",
+                 label_key: str = "labels"):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        model = unwrap_compiled(model)
         self.num_data = check_int("num_data", num_data, minimum=1, note="the training-set size N")
         if bias not in self.bias_options:
             raise ValueError(f"bias={bias!r} is not accepted by method {self.method!r}; "
@@ -194,8 +213,16 @@ class BayesianModel(nn.Module, ABC):
         self.kl_weight = check_scale("kl_weight", kl_weight, allow_zero=True)
         self.chunk_size = check_int("chunk_size", chunk_size, minimum=1, note="posterior samples per vmap chunk")
         self.bias = bias
+        self.output_key = _check_key("output_key", output_key)
+        self.label_key = _check_key("label_key", label_key)
         self.likelihood = make_likelihood(likelihood, noise_std)
+        if getattr(self.likelihood, "learned", False) and not self.supports_learned_noise:
+            raise ValueError(f"noise_std='learn' is not accepted by method {self.method!r}; accepted: a fixed number "
+                             "in [1e-18, 1e18] (or a method trained by bayeswrap.fit with one set of weights, e.g. "
+                             "'map', 'vi' or 'laplace')")
         _check_model_tensors(model)
+        dtypes = [t.dtype for t in model.parameters() if t.is_floating_point()]
+        self.likelihood.to(dtypes[0] if dtypes else torch.get_default_dtype())  # a learned log σ in the model's dtype
 
         self.bayesian_names = select_parameters(model, params)
         all_params, buffers = split_state(model)
@@ -257,8 +284,12 @@ class BayesianModel(nn.Module, ABC):
         return None
 
     def _deterministic_mean(self) -> dict[str, torch.Tensor]:
-        """The weights :func:`bayeswrap.methods.sparsity.to_deterministic` deploys (the posterior mean; LBBNN: the MPM's)."""
+        """The Bayesian parameters :meth:`to_deterministic` deploys (the posterior mean; LBBNN: the MPM's)."""
         return self.posterior_mean()
+
+    def _deterministic_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers :meth:`to_deterministic` deploys (the model's; SWAG: BatchNorm statistics of θ_SWA)."""
+        return self.model_buffers.as_dict()
 
     def _point_estimate(self) -> dict[str, torch.Tensor]:
         """The centre of the current training state (used for validation while training)."""
@@ -351,6 +382,21 @@ class BayesianModel(nn.Module, ABC):
         """The layers whose pre-activations are sampled (empty without local reparameterisation)."""
         return list(self._lrt)
 
+    @property
+    def noise_std(self) -> float | None:
+        """The Gaussian likelihood's noise std σ now (float; the learned value for ``noise_std="learn"``), or
+        ``None`` for the categorical and heteroscedastic likelihoods. Settable (a number in [1e-18, 1e18]),
+        e.g. to start a learned σ elsewhere than 1.
+        """
+        return getattr(self.likelihood, "noise_std", None)
+
+    @noise_std.setter
+    def noise_std(self, value: float) -> None:
+        if not hasattr(self.likelihood, "noise_std"):
+            raise ValueError(f"noise_std cannot be set for likelihood={self.likelihood.name!r}; accepted: "
+                             "likelihood='gaussian'")
+        self.likelihood.noise_std = value
+
     def _check_predictive_model(self, model: str) -> str:
         accepted = ("full", "mpm") if self.has_inclusion else ("full",)
         if model not in accepted:
@@ -361,7 +407,7 @@ class BayesianModel(nn.Module, ABC):
         return model
 
     def param_groups(self, head: Iterable[str] = (), lr_head: float | None = None) -> list[dict]:
-        """Optimizer parameter groups: posterior parameters, then point estimates.
+        """Optimizer parameter groups: posterior parameters, then point estimates, then a learned noise std.
 
         Each group is split further into the model's body and the parameters
         whose model names are in ``head`` (e.g. a new classifier, which often
@@ -371,6 +417,8 @@ class BayesianModel(nn.Module, ABC):
         ignore the extra key. Posterior groups carry ``weight_decay=0.0``: their
         prior is already in the loss (the KL or −log prior term), so an
         optimizer's own weight decay (AdamW's default 0.01) would count it twice.
+        A learned noise std (``noise_std="learn"``) is its own group ``"likelihood"``, with
+        ``weight_decay=0.0`` (no prior on it) and ``noise_scale=0.0`` (a point estimate).
         Empty groups are omitted.
 
         Args:
@@ -380,7 +428,8 @@ class BayesianModel(nn.Module, ABC):
                 ``None`` or a finite number > 0.
 
         Returns:
-            ``[{"params": [...], "name": "posterior" | "posterior/head" | "point" | "point/head", ...}]``.
+            ``[{"params": [...], "name": "posterior" | "posterior/head" | "point" | "point/head" | "likelihood",
+            ...}]``.
 
         Raises:
             ValueError: if a ``head`` name is not a parameter of the wrapped model (it
@@ -396,6 +445,10 @@ class BayesianModel(nn.Module, ABC):
         groups: dict[str, dict] = {}
         for full_name, p in self.named_parameters():
             container, mangled = full_name.split(".", 1)
+            if container == "likelihood":  # a learned noise std: a point estimate without prior
+                groups.setdefault("likelihood", {"params": [], "name": "likelihood", "noise_scale": 0.0,
+                                                 "weight_decay": 0.0})["params"].append(p)
+                continue
             name = "point" if container == "point" else "posterior"
             if mangled.replace("/", ".") in head:
                 name += "/head"
@@ -407,7 +460,7 @@ class BayesianModel(nn.Module, ABC):
                 group["weight_decay"] = 0.0
             if name.endswith("/head") and lr_head is not None:
                 group["lr"] = lr_head
-        order = ["posterior", "posterior/head", "point", "point/head"]
+        order = ["posterior", "posterior/head", "point", "point/head", "likelihood"]
         return [groups[k] for k in order if k in groups]
 
     def forward_with(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
@@ -428,7 +481,7 @@ class BayesianModel(nn.Module, ABC):
         net = self.model
         if self._lrt and any(n in self._lrt_var_names for n in theta):  # moments: sample pre-activations
             net = self._skeleton[1]
-        return call(net, tensors, self.model_buffers.as_dict(), x)
+        return call(net, tensors, self.model_buffers.as_dict(), without_key(x, self.label_key), self.output_key)
 
     def forward(self, x, num_samples: int = 0) -> torch.Tensor:
         """Posterior predictive, see :meth:`predict`."""
@@ -641,6 +694,9 @@ class BayesianModel(nn.Module, ABC):
             averaged in probability space (rows sum to 1).
             Gaussian likelihood: ``(mean, variance)``, each (B, D), where the
             variance is noise_std² plus the variance of the sampled means.
+            Heteroscedastic: ``(mean, variance)`` of the mixture of the sampled Gaussians, each
+            (B, D): the variance is the mean of the predicted variances plus the variance of
+            the sampled means.
 
         Raises:
             NotFittedError: if the posterior does not exist yet (Laplace before
@@ -666,11 +722,7 @@ class BayesianModel(nn.Module, ABC):
     def _predictive(self, outs: torch.Tensor):
         """Averages (S, B, ·) outputs into the predictive of the likelihood (after checking their shape)."""
         self.likelihood.check_outputs(outs[0] if isinstance(outs, torch.Tensor) and outs.dim() else outs)
-        if self.likelihood.name == "categorical":
-            return at_least_float32(outs).softmax(-1).mean(0)
-        mean = outs.mean(0)
-        var = outs.var(0, unbiased=False) + self.likelihood.noise_std**2
-        return mean, var
+        return self.likelihood.predictive(outs)
 
     def _check_ready(self) -> None:
         if not self.is_ready():
@@ -678,6 +730,46 @@ class BayesianModel(nn.Module, ABC):
 
     def _not_ready_message(self) -> str:
         return f"the {self.method!r} posterior is not available yet"
+
+    def to_deterministic(self) -> nn.Module:
+        """The posterior mean as a plain ``nn.Module``, for deployment without bayeswrap.
+
+        A new deep copy of the wrapped model's structure (its class, with real storage on
+        this model's device, in eval mode) holding the Bayesian parameters at the posterior
+        mean that ``predict(x, num_samples=0)`` evaluates, the point estimates and frozen
+        parameters as they are and the current buffers; tied parameters stay tied.
+        ``net(x)`` equals the outputs of ``predict(x, num_samples=0)`` before the softmax
+        (the model's own output type). It shares no tensor with this model, and the
+        wrapped model itself is not touched. The mean, per method:
+
+        * MAP, Laplace: θ (θ_MAP); VI, IVON: the mean m; sparse and Kingma VD: the mean
+          with pruned weights exactly 0; SGLD, MH, HMC: the mean of the kept draws;
+        * MC-dropout: ``mode="params"``: the mixture mean (1 − p) m + p θ̄ (the
+          weight-scaling rule of dropout); ``mode="layers"``: the weights, dropout off;
+        * SWAG: θ_SWA, with BatchNorm statistics recomputed for it (Maddox et al. 2019, §4);
+        * LBBNN: the median probability model's weights (:meth:`mpm_mean`, as
+          ``predict(x, 0, model="mpm")``).
+
+        An ensemble has no single mean network and refuses: deploy a member with
+        ``bnn.members[m].to_deterministic()``.
+
+        Returns:
+            An ``nn.Module`` of the wrapped model's class, in eval mode.
+
+        Raises:
+            NotFittedError: if the posterior does not exist yet (Laplace before ``fit_curvature``,
+                SGLD, SWAG, MH and HMC before a draw is kept).
+            ValueError: for an ensemble, or a model that could not be deep-copied when it was wrapped.
+        """
+        self._check_ready()
+        values = {**self.point.as_dict(), **self.frozen.as_dict(), **self._deterministic_mean()}
+        skeleton = self.model
+        if not any(t.is_meta for t in [*skeleton.parameters(), *skeleton.buffers()]):
+            raise ValueError("the wrapped model could not be deep-copied when it was wrapped, so bayeswrap has no "
+                             "separate structure to fill; build the module yourself and load "
+                             "bnn.posterior_mean() into it")
+        with torch.no_grad():
+            return _materialised_copy(skeleton, values, self._deterministic_buffers()).eval()
 
     # ------------------------------------------------------------------ checkpoints
     #: state_dict keys whose values may legitimately be NaN or inf (e.g. Laplace's unknown log-likelihood)
@@ -720,6 +812,14 @@ class BayesianModel(nn.Module, ABC):
                              f"only in model {sorted(ours - theirs)[:8]}")
 
 
+def _check_key(name: str, value) -> str:
+    """A non-empty string key (``output_key``/``label_key``), or a ValueError naming the value."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name}={value!r} is not accepted; accepted: a non-empty string key such as "
+                         f"{'logits' if name == 'output_key' else 'labels'!r}")
+    return value
+
+
 def _check_model_tensors(model: nn.Module) -> None:
     """Refuses models whose weights cannot become the initial posterior and prior mean (once, at wrap time)."""
     named = list(model.named_parameters()) + list(model.named_buffers())
@@ -743,6 +843,54 @@ def _check_model_tensors(model: nn.Module) -> None:
     if bad:
         raise ValueError(f"the model's buffer {bad[0]!r} contains NaN; accepted: buffers without NaN "
                          "(e.g. reset BatchNorm statistics with module.reset_running_stats())")
+
+
+def _materialised_copy(skeleton: nn.Module, params: Mapping[str, torch.Tensor],
+                       buffers: Mapping[str, torch.Tensor]) -> nn.Module:
+    """A deep copy of the storage-free ``skeleton`` whose meta tensors are replaced by copies of ``params``/``buffers``.
+
+    Tied tensors (one tensor under several names) stay tied: one copy, found under any of the names.
+
+    Raises:
+        ValueError: naming a parameter or buffer of the skeleton that has no value.
+    """
+    net = copy.deepcopy(skeleton)
+    for values, parameter in ((params, True), (buffers, False)):
+        groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        named = net.named_parameters(remove_duplicate=False) if parameter else net.named_buffers(remove_duplicate=False)
+        for name, t in named:
+            groups.setdefault(id(t), []).append((name, t))
+        for aliases in groups.values():
+            canonical = next((n for n, _ in aliases if n in values), None)
+            if canonical is None:
+                raise ValueError(f"no value for {aliases[0][0]!r} of the wrapped model")
+            value = values[canonical].detach().clone()
+            new = nn.Parameter(value, requires_grad=aliases[0][1].requires_grad) if parameter else value
+            for name, _ in aliases:
+                prefix, _, leaf = name.rpartition(".")
+                owner = net.get_submodule(prefix) if prefix else net
+                (owner._parameters if parameter else owner._buffers)[leaf] = new
+    return net
+
+
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module that ``torch.compile(module)`` wrapped (its ``_orig_mod``), or ``model`` itself.
+
+    bayeswrap evaluates the model with ``torch.func.functional_call`` on a storage-free copy of its
+    structure, which calls the modules' ``forward`` eagerly: a compiled wrapper's graph would never run.
+    Wrapping the original keeps the parameter names (no ``_orig_mod.`` prefix), so ``params`` patterns,
+    checkpoints and :func:`bayeswrap.save` files match the plain model.
+
+    Args:
+        model: any ``nn.Module``; a ``torch._dynamo`` ``OptimizedModule`` (possibly nested) is unwrapped.
+
+    Returns:
+        The innermost original module (the same object, never a copy).
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    while eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return model
 
 
 def _storage_free_copy(model: nn.Module) -> nn.Module:

@@ -47,6 +47,7 @@ import copy
 import fnmatch
 import math
 import warnings
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -63,6 +64,7 @@ from bayeswrap.methods.base import (
     LossOutput,
     method_option_defaults,
     register_method,
+    unwrap_compiled,
 )
 from bayeswrap.methods.map import MAP
 
@@ -127,6 +129,7 @@ class Ensemble(BayesianModel):
     tuning = MAP.tuning
     in_default_comparison = True
     default_member = "map"
+    supports_learned_noise = False  # each member would need its own σ in the vmapped loss and the mixture
 
     def __init__(self, model, *, num_members: int = 5, member: str | None = None, member_kwargs: dict | None = None,
                  reinit: str | list[str] = "all", init_seed: int | None = None, parallel: str = "auto", **kwargs):
@@ -137,6 +140,9 @@ class Ensemble(BayesianModel):
             raise ValueError(f"member={member!r} is not accepted; accepted: {accepted} (full-batch samplers run "
                              "their own chains; ensembles of ensembles are not supported)")
         self.member = member
+        if member_kwargs is not None and not isinstance(member_kwargs, Mapping):
+            raise ValueError(f"member_kwargs={member_kwargs!r} is not accepted; accepted: None or a mapping "
+                             f"{{option: value}} of options of the member method {member!r}")
         self.member_kwargs = dict(member_kwargs or {})
         from_signature = method_option_defaults(member)
         unknown = sorted(k for k in self.member_kwargs if k not in from_signature)
@@ -158,7 +164,7 @@ class Ensemble(BayesianModel):
         if parallel not in PARALLEL:
             raise ValueError(f"parallel={parallel!r} is not accepted; accepted: {PARALLEL}")
         self.parallel = parallel
-        self._build = (model, {k: kwargs[k] for k in COMMON_OPTIONS if k in kwargs})
+        self._build = (unwrap_compiled(model), {k: kwargs[k] for k in COMMON_OPTIONS if k in kwargs})
         member_cls = METHODS[member]
         self.required_optimizer = member_cls.required_optimizer
         self.select_best_epoch = member_cls.select_best_epoch
@@ -414,9 +420,15 @@ class Ensemble(BayesianModel):
         second = sum(w * (p[1] + p[0].pow(2)) for w, p in zip(weights, preds))
         return mean, (second - mean.pow(2)).clamp_min(0)
 
-    def _deterministic_mean(self):
-        raise ValueError("an ensemble has no single set of deterministic weights; deploy a member "
-                         "(bnn.members[m]) instead")
+    def to_deterministic(self) -> nn.Module:
+        """Refused: an ensemble has no single mean network.
+
+        Raises:
+            ValueError: always, naming ``bnn.members[m].to_deterministic()`` to deploy a member instead.
+        """
+        raise ValueError(f"an ensemble of {self.num_members} {self.member!r} members has no single set of "
+                         "deterministic weights (its predictive is the mixture of the members'); deploy a member "
+                         "instead: bnn.members[m].to_deterministic()")
 
     @torch.no_grad()
     def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None, model: str = "full"):

@@ -1,36 +1,68 @@
-"""MC-dropout applied to parameters, towards the prior mean (BayesDLL §2.2).
+"""MC-dropout: dropout on the parameters towards the prior mean (BayesDLL §2.2), or the model's own dropout layers.
 
-Each parameter is kept with probability 1 − p or reset to its prior mean:
-θ = z ⊙ m + (1 − z) ⊙ θ̄ with z ~ Bernoulli(1 − p), i.e. q(θ_i) is the spiky
-mixture (1 − p) δ(m_i) + p δ(θ̄_i). The loss is BayesDLL's eq. 10:
+``mode="params"`` (the default) drops parameters. Each parameter is kept with
+probability 1 − p or reset to its prior mean: θ = z ⊙ m + (1 − z) ⊙ θ̄ with
+z ~ Bernoulli(1 − p), i.e. q(θ_i) is the spiky mixture (1 − p) δ(m_i) + p δ(θ̄_i).
+The loss is BayesDLL's eq. 10:
 
     L(m) = NLL(y | x, θ) + kl_weight · Σ_i (1 − p_i) (m_i − θ̄_i)² / (2 σ² N).
 
-Reference: Gal & Ghahramani 2016, "Dropout as a Bayesian Approximation".
+``mode="layers"`` is the standard MC dropout of Gal & Ghahramani 2016 (what
+torch-uncertainty's ``MCDropout`` does): the model's own dropout modules
+(:data:`DROPOUT_LAYERS`: ``nn.Dropout``, ``Dropout1d/2d/3d``, ``AlphaDropout``,
+``FeatureAlphaDropout``) drop units. Training is MAP with those modules active
+(the wrapped model is in train mode while ``bw.fit`` runs):
+
+    L(M) = NLL(y | x, M, z) + kl_weight · Σ_i (M_i − θ̄_i)² / (2 σ² N),    z ~ Bernoulli(1 − p) per unit,
+
+the prior term exactly as :class:`~bayeswrap.MAP` computes it (Gal & Ghahramani's
+eq. 4 up to the weight-decay constant). In the predictive every dropout module of
+the storage-free copy is switched to train mode while the rest of the network (BatchNorm,
+...) stays in eval mode, and each of the S forward passes draws its own masks:
+p(y | x, D) ≈ (1/S) Σ_s softmax(f(x; M, z_s)) (their eq. 8). PyTorch's dropout is
+inverted (kept units are scaled by 1/(1 − p)), so E_z[W diag(z)/(1 − p)] = W: the
+parameters M are the posterior mean, and ``predict(x, num_samples=0)`` is the
+network with its dropout off (the weight-scaling rule). The weights themselves are a
+point estimate (``posterior_std`` is 0 and :meth:`MCDropout.sample` repeats M); the
+spread lives in the masks, which :meth:`~bayeswrap.BayesianModel.sample_logits` and
+``predict`` draw. Stochastic-depth modules (timm's ``DropPath``) and dropout called
+as a function inside a module's ``forward`` (``F.dropout(x, training=self.training)``)
+are not units of a dropout layer and stay off. MC-BatchNorm is not implemented.
+
+Reference: Gal & Ghahramani 2016, "Dropout as a Bayesian Approximation:
+Representing Model Uncertainty in Deep Learning", ICML (eqs. 4 and 8).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch import nn
 
 from bayeswrap.core import fused
+from bayeswrap.core.batches import x_device
 from bayeswrap.core.checks import check_bool
 from bayeswrap.core.functional import NamedTensors, is_bias
 from bayeswrap.core.fused import dropout_sample, uniform_like
 from bayeswrap.methods.base import BayesianModel, check_float, check_int, register_method
 
 BIAS_OPTIONS = ("informative", "uninformative", "gaussian", "spikymix", "ignore")
+#: accepted values of ``mode``
+MODES = ("params", "layers")
+#: the modules that ``mode="layers"`` keeps active in the predictive (torch's dropout modules)
+DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 @register_method("mc_dropout")
 class MCDropout(BayesianModel):
-    """Parameter dropout towards θ̄.
+    """Parameter dropout towards θ̄, or the model's own dropout layers kept on in the predictive.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
 
     Args:
         p_drop: probability p ∈ [0, 1) that a parameter is reset to its prior
-            mean in a sample (BayesDLL default 0.1).
+            mean in a sample (BayesDLL default 0.1); unused with ``mode="layers"``.
         bias: how ``*.bias`` parameters are treated:
             ``"informative"`` / ``"spikymix"``: like weights (dropout and the
             (1 − p)-scaled prior term);
@@ -38,30 +70,80 @@ class MCDropout(BayesianModel):
             (the original MC-dropout);
             ``"uninformative"``: dropout, but no prior term (p(θ_b) ∝ 1);
             ``"ignore"``: neither dropout nor prior term.
+            With ``mode="layers"`` only the prior term applies: full for
+            ``"informative"``, ``"spikymix"`` and ``"gaussian"``, none for the others.
         num_train_samples: dropout masks per training step (≥ 1).
         fused: draw the training sample and the prior term with the fused
             bucketed kernel and closed-form gradients
             (:func:`bayeswrap.core.fused.dropout_sample`); False uses the plain
             autograd reference. Same values and gradients.
+        mode: ``"params"`` (dropout on the parameters towards θ̄, BayesDLL's eq. 10)
+            or ``"layers"`` (standard MC dropout: the model's own dropout modules stay
+            active in the predictive, Gal & Ghahramani 2016; the model needs one).
+        layer_p: with ``mode="layers"``, the dropout probability in (0, 1) set on every
+            dropout module of bayeswrap's copy of the model (never on the model itself);
+            None keeps each module's own p.
 
     Raises:
         ValueError: if ``p_drop`` is not a number in [0, 1), ``num_train_samples`` not an
-            integer ≥ 1 or ``bias`` unknown.
+            integer ≥ 1, ``bias`` or ``mode`` unknown, ``layer_p`` not None or a number in
+            (0, 1) or given with ``mode="params"``; with ``mode="layers"``: a model without
+            dropout modules, one whose dropout modules all have p = 0 (and no ``layer_p``),
+            or one that could not be copied.
 
     Attributes:
-        theta: the kept values m, ``{name: Parameter}``.
+        theta: the kept values m (``mode="layers"``: the weights M), ``{name: Parameter}``.
+        dropout_layers: ``mode="layers"``: the names of the dropout modules kept active in
+            the predictive (empty for ``mode="params"``).
     """
 
     bias_options = BIAS_OPTIONS
     tuning = ("p_drop", (0.02, 0.05, 0.1, 0.2, 0.3))  # the dropout rate sets the posterior spread
     in_default_comparison = True
 
-    def __init__(self, model, *, p_drop: float = 0.1, num_train_samples: int = 1, fused: bool = True, **kwargs):
+    def __init__(self, model, *, p_drop: float = 0.1, num_train_samples: int = 1, fused: bool = True,
+                 mode: str = "params", layer_p: float | None = None, **kwargs):
         self.fused = check_bool("fused", fused)
         self.p_drop = check_float("p_drop", p_drop, low=0.0, high=1.0, high_open=True,
                                   note="the probability that a parameter is reset to its prior mean")
         self.num_train_samples = check_int("num_train_samples", num_train_samples, minimum=1)
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not known; accepted: 'params' (dropout on the parameters towards "
+                             "the prior mean) or 'layers' (the model's own dropout modules, standard MC dropout)")
+        self.mode = mode
+        self.layer_p = check_float("layer_p", layer_p, low=0.0, high=1.0, low_open=True, high_open=True,
+                                   allow_none=True, note="the dropout probability of the model's dropout modules")
+        if self.layer_p is not None and mode != "layers":
+            raise ValueError(f"layer_p={self.layer_p!r} is only used with mode='layers'; accepted: layer_p=None "
+                             "with mode='params' (whose rate is p_drop), or mode='layers'")
         super().__init__(model, **kwargs)
+        self._dropout_modules = self._find_dropout_layers(model) if mode == "layers" else {}
+
+    def _find_dropout_layers(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The dropout modules of the storage-free copy, with ``layer_p`` set on them (the copy only)."""
+        accepted = ", ".join(f"nn.{cls.__name__}" for cls in DROPOUT_LAYERS)
+        if self.model is model:
+            raise ValueError(f"mode='layers' switches the dropout modules of bayeswrap's copy of the model, but "
+                             f"{type(model).__name__} could not be deep-copied; accepted: a model that "
+                             "copy.deepcopy can copy, or mode='params'")
+        layers = {name: m for name, m in self.model.named_modules() if isinstance(m, DROPOUT_LAYERS)}
+        if not layers:
+            raise ValueError(f"mode='layers' keeps the model's own dropout modules active, but "
+                             f"{type(model).__name__} has none; accepted: a model with {accepted} modules, or "
+                             "mode='params' (dropout on the parameters, which needs no dropout module)")
+        if self.layer_p is not None:
+            for m in layers.values():
+                m.p = self.layer_p
+        if all(m.p == 0 for m in layers.values()):
+            raise ValueError(f"mode='layers': every dropout module of the model has p=0 ({list(layers)[:4]}), so "
+                             "the samples would all be equal; accepted: layer_p in (0, 1) (e.g. layer_p=0.1), or "
+                             "a model whose dropout modules have p > 0")
+        return layers
+
+    @property
+    def dropout_layers(self) -> list[str]:
+        """Names of the dropout modules kept active in the predictive (``mode="layers"``)."""
+        return list(self._dropout_modules)
 
     def _prior_bias(self, bias):
         return "uninformative" if bias in ("uninformative", "ignore") else "informative"
@@ -69,7 +151,9 @@ class MCDropout(BayesianModel):
     def _init_posterior(self, init):
         self.theta = NamedTensors(init, trainable=True)
         no_drop_bias = self.bias in ("gaussian", "ignore")
-        self.drop_prob = {n: 0.0 if (no_drop_bias and is_bias(n)) else self.p_drop for n in init}
+        # mode="layers": no parameter is dropped, so the prior term, mean, std and samples are MAP's
+        p = self.p_drop if self.mode == "params" else 0.0
+        self.drop_prob = {n: 0.0 if (no_drop_bias and is_bias(n)) else p for n in init}
 
     def _masked(self, shape_prefix=(), generator=None):
         out = {}
@@ -108,20 +192,81 @@ class MCDropout(BayesianModel):
         return {n: sample[n] for n in names}, penalty
 
     def regularizer(self) -> torch.Tensor:
-        """Σ_i (1 − p_i)(m_i − θ̄_i)² / (2σ²), the KL approximation of eq. 10, in nats."""
+        """Σ_i (1 − p_i)(m_i − θ̄_i)² / (2σ²), the KL approximation of eq. 10, in nats (``mode="layers"``: p_i = 0,
+        MAP's Σ_i (M_i − θ̄_i)² / (2σ²)).
+        """
         return self.prior.penalty(self.theta.as_dict(), scale={n: 1.0 - p for n, p in self.drop_prob.items()})
 
     def posterior_mean(self):
-        """Mixture mean (1 − p) m + p θ̄, ``{name: tensor}``."""
+        """Mixture mean (1 − p) m + p θ̄, ``{name: tensor}`` (``mode="layers"``: the weights M, the mean of the
+        inverted-dropout weights M diag(z) / (1 − p)).
+        """
         return {n: m if self.drop_prob[n] == 0 else (1 - self.drop_prob[n]) * m + self.drop_prob[n] * self.prior.mean[n]
                 for n, m in self.theta.items()}
 
     def posterior_std(self):
-        """Mixture std sqrt(p (1 − p)) |m − θ̄|, ``{name: tensor}``."""
+        """Mixture std sqrt(p (1 − p)) |m − θ̄|, ``{name: tensor}`` (``mode="layers"``: zeros, the spread is in
+        the masks).
+        """
         return {n: (self.drop_prob[n] * (1 - self.drop_prob[n])) ** 0.5 * (m - self.prior.mean[n]).abs()
                 for n, m in self.theta.items()}
 
     def sample(self, num_samples, generator=None):
-        """Draws S dropout samples θ_s = z_s ⊙ m + (1 − z_s) ⊙ θ̄, ``{name: (S, *shape)}``."""
+        """Draws S dropout samples θ_s = z_s ⊙ m + (1 − z_s) ⊙ θ̄, ``{name: (S, *shape)}``.
+
+        With ``mode="layers"`` the parameters are not dropped: M repeated S times (a view);
+        the masks are drawn on the units by :meth:`~bayeswrap.BayesianModel.sample_logits`.
+        """
         num_samples = check_int("num_samples", num_samples, minimum=1)
         return self._masked((num_samples,), generator)
+
+    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None, sample=None) -> torch.Tensor:
+        """Outputs under S samples, (S, B, ...); ``mode="layers"``: with the dropout modules active.
+
+        The S forward passes run as one ``vmap`` with ``randomness="different"`` (a mask
+        per sample), ``chunk_size`` at a time. Dropout draws from the global RNG; with a
+        ``generator`` the RNG is seeded from it inside ``torch.random.fork_rng`` (the global
+        state is left as it was), so a seeded generator reproduces the outputs.
+        """
+        if self.mode == "params":
+            return super()._sample_logits(x, num_samples, generator, sample)
+        with self._active_dropout(), _seeded(generator, x):
+            return super()._sample_logits(x, num_samples, generator, sample)
+
+    @contextlib.contextmanager
+    def _active_dropout(self):
+        """Switches the copy's dropout modules to train mode (the rest keeps its mode), and back."""
+        modes = {name: m.training for name, m in self._dropout_modules.items()}
+        try:
+            for m in self._dropout_modules.values():
+                m.train(True)
+            yield
+        finally:
+            for name, m in self._dropout_modules.items():
+                m.train(modes[name])
+
+    def get_extra_state(self):
+        return {**super().get_extra_state(), "mode": self.mode, "layer_p": self.layer_p}
+
+    def set_extra_state(self, state):
+        super().set_extra_state(state)
+        theirs = (state.get("mode", "params"), state.get("layer_p"))
+        if theirs != (self.mode, self.layer_p):
+            raise ValueError(f"checkpoint is for mode={theirs[0]!r}, layer_p={theirs[1]!r}, but this model has "
+                             f"mode={self.mode!r}, layer_p={self.layer_p!r}; accepted: wrap with the checkpoint's "
+                             "mode and layer_p")
+
+
+def _seeded(generator: torch.Generator | None, x):
+    """A context in which the global RNG is seeded from ``generator`` (restored afterwards), or nothing without one."""
+    if generator is None:
+        return contextlib.nullcontext()
+    return _fork_seeded(int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device)), x)
+
+
+@contextlib.contextmanager
+def _fork_seeded(seed: int, x):
+    device = x_device(x)
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+        torch.manual_seed(seed)
+        yield

@@ -103,6 +103,7 @@ class FullBatchMCMC(BayesianModel):
     """
 
     select_best_epoch = False
+    supports_learned_noise = False  # the chains sample θ only; a learned σ would never be trained
 
     def __init__(self, model, *, num_chains: int = 4, max_samples: int = 1000,
                  max_parameters: int = MAX_PARAMETERS, **kwargs):

@@ -326,8 +326,14 @@ class SGLD(MAP):
     def _not_ready_message(self):
         burn_in = repr(self.burn_in) + (f" (= {self._auto_burn_in} steps)" if self._auto_burn_in is not None
                                         and self.burn_in == "auto" else "")
-        return (f"no SGLD sample has been kept yet ({int(self.num_steps)} steps taken, burn_in={burn_in}, "
-                f"thinning={self.thinning}); train for more steps or lower burn_in")
+        head = (f"no SGLD sample has been kept yet ({int(self.num_steps)} steps taken, burn_in={burn_in}, "
+                f"thinning={self.thinning})")
+        if int(self.num_steps) == 0:  # not too short a run: no step was ever counted
+            return (f"{head}: bnn.after_step(), which counts the optimizer steps and keeps the iterates, was never "
+                    "called; bw.fit calls it after every step, and so do bayeswrap.lightning.BayesianModule and "
+                    "BayesianCallback in a lightning.Trainer; a hand-written loop must call "
+                    "bnn.before_fit(num_steps, optimizer) once and bnn.after_step() after each optimizer.step()")
+        return f"{head}; train for more steps or lower burn_in"
 
     def _point_estimate(self):
         return self.theta.as_dict()

@@ -30,7 +30,6 @@ methods through :class:`SparsityMixin`::
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 
@@ -358,7 +357,8 @@ def _choose(free: torch.Tensor, k: int, generator: torch.Generator | None) -> to
 def to_deterministic(bnn: BayesianModel) -> nn.Module:
     """A plain ``nn.Module`` holding the (pruned) posterior means, for fast deployment.
 
-    It is a deep copy of the wrapped model's structure with real storage on the
+    :meth:`bayeswrap.BayesianModel.to_deterministic` after checking that the model
+    was trained: a deep copy of the wrapped model's structure with real storage on the
     Bayesian model's device: Bayesian parameters = posterior mean (pruned
     weights exactly 0), point estimates and buffers as trained; tied
     parameters stay tied. ``net(x)`` equals
@@ -366,7 +366,7 @@ def to_deterministic(bnn: BayesianModel) -> nn.Module:
     before the softmax. It is returned in eval mode and shares no tensor with ``bnn``.
 
     "Trained" means that the posterior exists (Laplace: curvature fitted;
-    SGLD: a sample kept) and, for ``"vi"``, ``"sparse_vd"`` and ``"kingma_vd"``,
+    SGLD: a sample kept) and, for ``"vi"``, ``"sparse_vd"``, ``"kingma_vd"`` and ``"lbbnn"``,
     that at least one optimizer step was taken (:func:`bayeswrap.fit` calls
     ``after_step``) or a trained state was loaded with ``load_state_dict``.
 
@@ -378,43 +378,20 @@ def to_deterministic(bnn: BayesianModel) -> nn.Module:
 
     Raises:
         NotTrainedError: (a ``ValueError`` and ``NotFittedError``) before training.
-        ValueError: if the model could not be deep-copied when it was wrapped.
+        ValueError: if the model could not be deep-copied when it was wrapped, or for an ensemble.
     """
+    _check_trained(bnn)
+    return bnn.to_deterministic()
+
+
+def _check_trained(bnn: BayesianModel) -> None:
+    """A :class:`NotTrainedError` for a pruneable posterior without an optimizer step, or one not ready."""
     if isinstance(bnn, SparsityMixin) and bnn.optimizer_steps == 0:
         raise NotTrainedError(f"to_deterministic() needs a trained posterior, but this {bnn.method!r} model has "
                               "taken no optimizer step: train it with bw.fit(...) (or load a trained state_dict) "
                               "first")
     if not bnn.is_ready():
         raise NotTrainedError(bnn._not_ready_message())
-    skeleton = bnn.model
-    if not any(t.is_meta for t in list(skeleton.parameters()) + list(skeleton.buffers())):
-        raise ValueError("the wrapped model could not be deep-copied when it was wrapped, so bayeswrap has no "
-                         "separate structure to fill; build the module yourself and load "
-                         "bnn.posterior_mean() into it")
-    net = copy.deepcopy(skeleton)
-    with torch.no_grad():
-        values = {**bnn.point.as_dict(), **bnn.frozen.as_dict(), **bnn._deterministic_mean()}
-        _fill(net, net.named_parameters(remove_duplicate=False), values, parameter=True)
-        _fill(net, net.named_buffers(remove_duplicate=False), bnn.model_buffers.as_dict(), parameter=False)
-    return net.eval()
-
-
-def _fill(net: nn.Module, named, values: dict[str, torch.Tensor], parameter: bool) -> None:
-    """Replaces meta tensors by real copies of ``values``, keeping aliases (tied tensors) tied."""
-    groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in named:
-        groups.setdefault(id(t), []).append((name, t))
-    for aliases in groups.values():
-        canonical = next((n for n, _ in aliases if n in values), None)
-        if canonical is None:
-            raise ValueError(f"no value for {aliases[0][0]!r} of the wrapped model")
-        old = aliases[0][1]
-        value = values[canonical].detach().clone()
-        new = nn.Parameter(value, requires_grad=old.requires_grad) if parameter else value
-        for name, _ in aliases:
-            prefix, _, leaf = name.rpartition(".")
-            owner = net.get_submodule(prefix) if prefix else net
-            (owner._parameters if parameter else owner._buffers)[leaf] = new
 
 
 class SparsityMixin:
@@ -480,4 +457,5 @@ class SparsityMixin:
 
     def to_deterministic(self) -> nn.Module:
         """See :func:`bayeswrap.methods.sparsity.to_deterministic`."""
-        return to_deterministic(self)
+        _check_trained(self)
+        return super().to_deterministic()

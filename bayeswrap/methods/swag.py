@@ -62,7 +62,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from bayeswrap.core.batches import batch_pair, to_device
+from bayeswrap.core.batches import batch_pair, to_device, without_key
 from bayeswrap.core.checks import check_float, check_int, check_scale
 from bayeswrap.core.functional import NamedTensors, call
 from bayeswrap.core.samples import RingStore, welford_update_, welford_variance
@@ -472,7 +472,7 @@ class SWAG(MAP):
             for batch in loader:
                 if seen >= self.bn_update_batches:
                     break
-                x, _ = batch_pair(batch, f"the BatchNorm update loader (batch {seen})")
+                x, _ = batch_pair(batch, f"the BatchNorm update loader (batch {seen})", self.label_key)
                 x = to_device(x, device)
                 call(self.model, tensors, buffers, x)
                 seen += 1
@@ -498,7 +498,7 @@ class SWAG(MAP):
     def _forward_bn(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
         """Outputs under ``theta`` with BatchNorm statistics recomputed for it."""
         tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
-        return call(self.model, tensors, self.bn_statistics(theta), x)
+        return call(self.model, tensors, self.bn_statistics(theta), without_key(x, self.label_key), self.output_key)
 
     def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None, sample=None) -> torch.Tensor:
         """Model outputs under S samples, (S, B, ...); with BatchNorm each sample uses its own recomputed statistics.
@@ -530,6 +530,14 @@ class SWAG(MAP):
         if not self._bn_update_active():
             return super()._mean_outputs(x)
         return self._forward_bn(self.posterior_mean(), x).unsqueeze(0)
+
+    def _deterministic_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers of :meth:`to_deterministic`: with BatchNorm (as in :meth:`_mean_outputs`), the statistics
+        recomputed for θ_SWA (:meth:`bn_statistics`).
+        """
+        if not self._bn_update_active():
+            return super()._deterministic_buffers()
+        return self.bn_statistics(self.posterior_mean())
 
 
 def _check_swa_start(value):

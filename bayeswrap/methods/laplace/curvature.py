@@ -75,12 +75,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, vjp, vmap
+from torch.func import functional_call, vjp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from bayeswrap.core.functional import vmap_over_examples
 from bayeswrap.core.likelihoods import at_least_float32
 
 #: routes a Bayesian parameter can take (see :attr:`LayerCurvature.routes`)
@@ -621,10 +622,10 @@ def _module_grads(call: _Call, d: torch.Tensor, sl: slice, attrs) -> dict[str, t
             return functional_call(module, {**state, **p}, tuple(args), kwargs, tie_weights=True, strict=False)
 
         _, vjp_fn = vjp(fn, params)
-        return vmap(vjp_fn)(d1.unsqueeze(1))[0]
+        return vmap_over_examples(vjp_fn)(d1.unsqueeze(1))[0]
 
     with sdpa_kernel([SDPBackend.MATH]):  # the fused attention kernels have no batching rule
-        grads = vmap(one, in_dims=(0, 1))([leaves[i][sl] for i in batched], d)  # {attr: (c, m, *shape)}
+        grads = vmap_over_examples(one, in_dims=(0, 1))([leaves[i][sl] for i in batched], d)  # {attr: (c, m, ...)}
     return {a: grads[a].transpose(0, 1) for a in attrs}
 
 
@@ -637,13 +638,13 @@ def _network_grads(forward, theta, names, x, v, rows: int, acc) -> None:
     def one(x1, v1):
         x1 = tree_map(lambda t: t.unsqueeze(0), x1)
         _, vjp_fn = vjp(lambda p: forward({**fixed, **p}, x1), params)
-        return vmap(vjp_fn)(v1.unsqueeze(1))[0]
+        return vmap_over_examples(vjp_fn)(v1.unsqueeze(1))[0]
 
     for start in range(0, batch, rows):
         sl = slice(start, min(start + rows, batch))
         xs = tree_map(lambda t: t[sl], x)
         with sdpa_kernel([SDPBackend.MATH]):  # the fused attention kernels have no batching rule
-            g = vmap(one, in_dims=(0, 1))(xs, v[:, sl].to(next(iter(params.values())).dtype))  # {name: (c, m, ...)}
+            g = vmap_over_examples(one, in_dims=(0, 1))(xs, v[:, sl].to(next(iter(params.values())).dtype))
         for n in names:
             acc.rows_of(n, g[n].transpose(0, 1), sl)
 

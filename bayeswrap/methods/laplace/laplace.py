@@ -67,6 +67,14 @@ example (like the exact GGN); Monte Carlo takes S forward-mode passes per
 batch, which is cheaper when K is large (e.g. ImageNet): set
 ``link_approx="mc"`` there.
 
+Learned noise (``likelihood="gaussian", noise_std="learn"``): the GGN of the Gaussian
+likelihood is Jᵀ J / σ², so the curvature fitted at σ₀ scales by σ₀²/σ², and
+log p(D | θ*, σ) = −RSS/(2σ²) − M log σ − (M/2) log 2π with RSS = Σ_n |y_n − f(x_n; θ*)|²
+and M the number of scalar targets (both (N/n)-scaled). :meth:`Laplace.optimize_prior_precision`
+with ``"marglik"`` then maximises the Laplace evidence jointly over (log δ, log σ), as
+laplace-torch's ``log_marginal_likelihood(prior_precision, sigma_noise)`` (Immer et al.
+2021, §3); for a linear-Gaussian model the evidence is exact (MacKay 1992).
+
 References:
     MacKay 1992, "A practical Bayesian framework for backpropagation networks"
     (Laplace, evidence, the probit link and the fixed point δ = γ / |θ* − θ̄|²);
@@ -87,8 +95,15 @@ from torch.func import grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bayeswrap.core.batches import batch_pair, batch_size, check_inputs_finite, class_labels, take, to_device, unsqueeze
+from bayeswrap.core.checks import SCALE_RANGE, check_scale
 from bayeswrap.core.distributed import all_reduce_sum_
-from bayeswrap.core.functional import NamedTensors, _mangle, nonfinite_names
+from bayeswrap.core.functional import (
+    NamedTensors,
+    _mangle,
+    nonfinite_names,
+    outside_inference_mode,
+    vmap_over_examples,
+)
 from bayeswrap.core.likelihoods import at_least_float32
 from bayeswrap.evaluation.tuning import select_by_val_nll
 from bayeswrap.methods.base import BayesianModel, NotFittedError, check_float, check_int, register_method
@@ -113,6 +128,10 @@ PRED_TYPES = ("glm", "nn")
 LINK_APPROXES = ("mc", "probit")
 CURVATURE_BACKENDS = ("layers", "vmap")
 TUNING_METHODS = ("marglik", "val")
+#: ``subset_of_weights="auto"`` makes only the last layer Bayesian above this many trainable parameters: full-network
+#: curvature of a large backbone costs minutes to hours per epoch of data and, diagonal, gains little over the last
+#: layer (Daxberger et al. 2021, §5); every model the command line builds from timm or torchvision is above it
+AUTO_LAST_LAYER_ABOVE = 1_000_000
 #: accepted ``prior_structure`` of :meth:`Laplace.optimize_prior_precision` (laplace-torch's names)
 PRIOR_STRUCTURES = ("scalar", "layerwise")
 #: Newton steps of the layerwise prior precision search of the "full" structure
@@ -123,6 +142,8 @@ NOISE_TO_SIGNAL_WARN = 10.0
 PRIOR_DOMINATED_RATIO = 0.01
 #: the marginal-likelihood search for δ stays within these bounds
 MARGLIK_BOUNDS = (1e-10, 1e10)
+#: the likelihoods Laplace supports (the heteroscedastic one would need the GGN of Immer et al. 2023)
+LAPLACE_LIKELIHOODS = ("categorical", "gaussian")
 #: default grid of the validation search for δ
 DEFAULT_GRID = tuple(10.0 ** (k / 2.5) for k in range(-10, 11))  # logspace(-4, 4, 21)
 #: accepted prior precisions δ = 1/σ² for σ in the prior_std range [1e-18, 1e18]: float32 holds δ and 1/δ
@@ -174,15 +195,19 @@ class Laplace(MAP):
             Bayesian parameters). ``curvature`` chooses what is approximated
             (GGN, Monte Carlo GGN or empirical Fisher) in every structure. See
             :mod:`bayeswrap.methods.laplace.structures`.
-        subset_of_weights: ``"all"`` (default: the parameters ``params``
-            selects, all trainable ones unless given) or ``"last_layer"``: the
-            weight and bias of the classifier (timm's ``get_classifier()``,
-            torchvision's ``fc``, ``classifier``, ``head`` or ``heads.head``,
-            else the last ``nn.Linear``; see
-            :func:`bayeswrap.methods.laplace.structures.find_last_layer`); the rest of
+        subset_of_weights: ``"auto"`` (default): ``"last_layer"`` for a model with more than
+            :data:`AUTO_LAST_LAYER_ABOVE` (1,000,000) trainable parameters and no ``params``
+            (every timm/torchvision ResNet, ViT or ConvNeXt, BERT; laplace-torch always
+            defaults to the last layer), else ``"all"``. ``"all"``: the parameters ``params``
+            selects, all trainable ones unless given. ``"last_layer"`` (also
+            ``params="last_layer"``): the weight and bias of the classifier (timm's
+            ``get_classifier()``, torchvision's ``fc``, ``classifier``, ``head`` or
+            ``heads.head``, Hugging Face's ``classifier`` or ``score``, else the last
+            ``nn.Linear``; see :func:`bayeswrap.core.functional.find_last_layer`); the rest of
             the network is a point estimate, and the ``"full"``/``"kron"``
             curvatures and GLM variances use the head's recorded input
-            features without differentiating the body.
+            features without differentiating the body. After construction
+            ``subset_of_weights`` holds the resolved choice.
 
     Attributes:
         theta: θ* (trained as MAP).
@@ -227,11 +252,20 @@ class Laplace(MAP):
     def __init__(self, model, *, curvature: str = "ggn", curvature_chunk_size: int = 32,
                  curvature_samples: int = 1, pred_type: str = "glm", link_approx: str = "probit",
                  curvature_backend: str = "layers", hessian_structure: str = "diag",
-                 subset_of_weights: str = "all", **kwargs):
+                 subset_of_weights: str = "auto", **kwargs):
         if curvature not in CURVATURES:
             raise ValueError(f"curvature={curvature!r} is not known; accepted: {CURVATURES}")
         self.hessian_structure = _check_choice("hessian_structure", hessian_structure, HESSIAN_STRUCTURES)
-        self.subset_of_weights = _check_choice("subset_of_weights", subset_of_weights, SUBSETS_OF_WEIGHTS)
+        subset_of_weights = _check_choice("subset_of_weights", subset_of_weights, SUBSETS_OF_WEIGHTS + ("auto",))
+        if kwargs.get("params") == "last_layer":  # the same choice as subset_of_weights="last_layer"
+            if subset_of_weights == "all":
+                raise ValueError("params='last_layer' and subset_of_weights='all' contradict each other; accepted: "
+                                 "one of them")
+            kwargs["params"], subset_of_weights = None, "last_layer"
+        if subset_of_weights == "auto":
+            subset_of_weights = "all" if kwargs.get("params") is not None or _trainable_count(model) <= \
+                AUTO_LAST_LAYER_ABOVE else "last_layer"
+        self.subset_of_weights = subset_of_weights
         self.last_layer_name: str | None = None
         if subset_of_weights == "last_layer":
             if kwargs.get("params") is not None:
@@ -245,6 +279,10 @@ class Laplace(MAP):
         self.curvature_samples = check_int("curvature_samples", curvature_samples, minimum=1)
         self.pred_type = _check_choice("pred_type", pred_type, PRED_TYPES)
         self.link_approx = _check_choice("link_approx", link_approx, LINK_APPROXES)
+        if kwargs.get("likelihood") == "heteroscedastic":
+            raise ValueError(f"likelihood='heteroscedastic' is not supported by method 'laplace'; accepted: "
+                             f"{LAPLACE_LIKELIHOODS} (for a learned homoscedastic noise: likelihood='gaussian', "
+                             "noise_std='learn')")
         super().__init__(model, **kwargs)
 
     def _init_posterior(self, init):
@@ -253,6 +291,8 @@ class Laplace(MAP):
         self.curvature_diag = NamedTensors({n: torch.zeros_like(t) for n, t in init.items()}, trainable=False)
         self.register_buffer("curvature_fitted", torch.zeros((), dtype=torch.bool))
         self.register_buffer("train_log_likelihood", torch.zeros((), dtype=torch.float64))
+        if self._learns_noise:  # (N/n)-scaled [Σ_n |y_n − f_n|², number of targets]: log p(D | θ*, σ) for any σ
+            self.register_buffer("train_residuals", torch.zeros(2, dtype=torch.float64))
         # δ per Bayesian parameter tensor (all equal unless set "layerwise"); entries of flat-prior tensors unused
         self.register_buffer("_prior_precision", torch.full((len(init),), 1.0 / self.prior_std**2, dtype=torch.float64))
         self._structure = None if self.hessian_structure == "diag" else self._make_structure(init)
@@ -306,6 +346,24 @@ class Laplace(MAP):
                 h = torch.where(v > 0, 1.0 / v - (delta if self.prior.applies_to(n) else 0.0), torch.zeros_like(v))
                 state_dict.setdefault(f"{prefix}curvature_diag.{_mangle(n)}", h.clamp_min(0))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    @property
+    def _learns_noise(self) -> bool:
+        """Whether the Gaussian noise std is learned (``noise_std="learn"``), by the marginal likelihood here."""
+        return bool(getattr(self.likelihood, "learned", False))
+
+    def _set_noise_std_property(self, value) -> None:
+        """Sets σ; once the curvature is fitted, a learned σ moves the posterior with it (:meth:`_set_noise_std`)."""
+        if not self.is_ready() or self.likelihood.name != "gaussian":
+            BayesianModel.noise_std.fset(self, value)
+        elif self._learns_noise:
+            self._set_noise_std(check_scale("noise_std", value))
+        else:
+            raise ValueError("noise_std cannot change after fit_curvature with a fixed noise std (the curvature and "
+                             "the log-likelihood were computed with it); accepted: set it before fit_curvature, or "
+                             "wrap with noise_std='learn'")
+
+    noise_std = BayesianModel.noise_std.setter(_set_noise_std_property)
 
     # ------------------------------------------------------------------ posterior
     def is_ready(self) -> bool:
@@ -471,7 +529,7 @@ class Laplace(MAP):
         def nll_one(th, x1, y1):
             return self.likelihood.nll(self.forward_with(th, unsqueeze(x1)), y1.unsqueeze(0))
 
-        return vmap(grad(nll_one), in_dims=(None, 0, 0))(theta, x, y)
+        return vmap_over_examples(grad(nll_one), in_dims=(None, 0, 0))(theta, x, y)
 
     def ggn_diagonal(self, x: torch.Tensor, theta=None) -> dict[str, torch.Tensor]:
         """Σ_n diag(J_nᵀ Λ_n J_n) over a batch: the exact diagonal GGN, without labels.
@@ -522,7 +580,7 @@ class Laplace(MAP):
                 p = at_least_float32(f1).softmax(-1).to(f1.dtype)
                 (mean,) = vjp_fn(p)
             for ks in class_chunks:
-                (rows,) = vmap(vjp_fn)(basis[ks])
+                (rows,) = vmap_over_examples(vjp_fn)(basis[ks])
                 for n, r in rows.items():
                     if categorical:
                         w = p[ks].reshape(-1, *([1] * (r.dim() - 1)))
@@ -552,8 +610,9 @@ class Laplace(MAP):
         class_chunks = [slice(s, s + per_class) for s in range(0, k, per_class)]
         per_example = max(1, rows // k)
         for start in range(0, batch_size(x), per_example):
-            yield vmap(lambda x1: one(x1, basis, class_chunks))(take(x, slice(start, start + per_example)))
+            yield vmap_over_examples(lambda x1: one(x1, basis, class_chunks))(take(x, slice(start, start + per_example)))
 
+    @outside_inference_mode
     @torch.no_grad()
     def fit_curvature(self, train_loader, generator: torch.Generator | None = None) -> "Laplace":
         """Computes the curvature, the training log-likelihood and the posterior variances.
@@ -603,6 +662,7 @@ class Laplace(MAP):
         theta = {n: t.detach() for n, t in self.theta.items()}
         curv = {n: torch.zeros_like(t) for n, t in theta.items()}
         log_lik = torch.zeros((), dtype=torch.float64, device=device)
+        residuals = torch.zeros(2, dtype=torch.float64, device=device)
         seen = 0
         structure = self._structure
         diag_wanted = structure is None or bool(getattr(structure, "diag_names", ()))
@@ -611,7 +671,7 @@ class Laplace(MAP):
             structure.reset()
         try:
             for index, batch in enumerate(train_loader):
-                x, y = batch_pair(batch, f"fit_curvature's loader batch {index}")
+                x, y = batch_pair(batch, f"fit_curvature's loader batch {index}", self.label_key)
                 x, y = to_device(x, device), to_device(y, device)
                 if self.likelihood.name == "categorical":
                     y = class_labels(y)  # int32, int16, uint8 ... labels as int64
@@ -621,6 +681,8 @@ class Laplace(MAP):
                 if not bool(torch.isfinite(batch_log_lik)):  # one sync per batch (check_targets syncs anyway)
                     self._raise_nonfinite_batch(index, x, y, theta)
                 log_lik += batch_log_lik
+                if self._learns_noise:
+                    residuals += torch.stack([(y - out).double().square().sum(), residuals.new_tensor(y.numel())])
                 if structure is not None:
                     sampled = None
                     if self.curvature == "fisher":
@@ -643,7 +705,7 @@ class Laplace(MAP):
             # data-parallel fits: every rank saw its own shard; the curvature, the log-likelihood and
             # the example count are sums over examples, so summing them over the ranks gives the full terms
             count = torch.tensor(float(seen), dtype=torch.float64, device=device)
-            all_reduce_sum_([*curv.values(), log_lik, count,
+            all_reduce_sum_([*curv.values(), log_lik, count, residuals,
                              *([] if structure is None else [t for t in structure.buffers() if t.is_floating_point()])])
             seen = int(round(float(count)))
         finally:
@@ -672,10 +734,12 @@ class Laplace(MAP):
         for n, c in curv.items():
             self.curvature_diag[n] = scale * c
         self.train_log_likelihood.fill_(float(scale * log_lik))
+        if self._learns_noise:
+            self.train_residuals.copy_(scale * residuals)
         self.curvature_fitted.fill_(True)
-        if self._update_posterior_var():  # stacklevel 3: the caller, behind torch.no_grad's wrapper
+        if self._update_posterior_var():  # stacklevel 4: the caller, behind the two decorators' wrappers
             warnings.warn("some parameters have zero prior precision and zero curvature; their Laplace variance "
-                          "is set to 0 (they stay at the MAP value)", RuntimeWarning, stacklevel=3)
+                          "is set to 0 (they stay at the MAP value)", RuntimeWarning, stacklevel=4)
         self._warn_if_prior_dominated()
         return self
 
@@ -829,7 +893,7 @@ class Laplace(MAP):
                 f"{PRIOR_DOMINATED_RATIO:.0%} of it, so their variance is the prior's 1/{delta:.3g}): the weights "
                 f"sampled by pred_type='nn' (and bnn.sample()) are mostly noise and that predictive can lose the "
                 f"MAP's accuracy; {advice}, and consider bnn.optimize_prior_precision()",
-                RuntimeWarning, stacklevel=4)  # the caller of fit_curvature (behind torch.no_grad's wrapper)
+                RuntimeWarning, stacklevel=5)  # the caller of fit_curvature (behind the decorators' wrappers)
 
     # ------------------------------------------------------------------ predictive
     def _resolve(self, pred_type: str | None, link_approx: str | None) -> tuple[str, str]:
@@ -852,6 +916,7 @@ class Laplace(MAP):
         finally:
             self.train(was_training)
 
+    @outside_inference_mode
     def functional_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and marginal variances of the linearised function, f_lin(x) ~ N(f(x; θ*), J diag(v) Jᵀ).
 
@@ -937,7 +1002,7 @@ class Laplace(MAP):
             f1, vjp_fn = vjp(lambda th: self.forward_with(th, unsqueeze(x1)).reshape(-1), theta)
             parts = []
             for ks in class_chunks:
-                (rows,) = vmap(vjp_fn)(basis[ks])
+                (rows,) = vmap_over_examples(vjp_fn)(basis[ks])
                 parts.append(sum((r.square() * var[n]).flatten(1).sum(1) for n, r in rows.items()))
             return f1, torch.cat(parts)
 
@@ -997,10 +1062,11 @@ class Laplace(MAP):
                         self._vmap_ok = False
                         warnings.warn(f"vmap over linearised samples failed ({type(vmap_error).__name__}: "
                                       f"{vmap_error}); this model's samples are evaluated one at a time from now on",
-                                      RuntimeWarning, stacklevel=4)
+                                      RuntimeWarning, stacklevel=5)
                 outs.append(f + tangents)
         return torch.cat(outs, 0)
 
+    @outside_inference_mode
     def sample_logits(self, x, num_samples: int, generator: torch.Generator | None = None, *,
                       pred_type: str | None = None) -> torch.Tensor:
         """Model outputs under S posterior samples, linearised (``"glm"``) or not (``"nn"``).
@@ -1033,6 +1099,7 @@ class Laplace(MAP):
         with self._evaluating(), torch.no_grad():
             return self._glm_sample_logits(x, num_samples, generator)
 
+    @outside_inference_mode
     @torch.no_grad()
     def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None, *,
                 pred_type: str | None = None, link_approx: str | None = None):
@@ -1114,8 +1181,9 @@ class Laplace(MAP):
         sq = {n: (self.theta[n].detach().double() - self.prior.mean[n].double()).square().sum() for n in names}
         return names, blocks, sq, self.train_log_likelihood.double()
 
-    def log_marginal_likelihood(self, prior_precision=None) -> torch.Tensor:
-        """Laplace approximation of log p(D | δ) (MacKay 1992; Immer et al. 2021, eq. 6; laplace-torch).
+    @outside_inference_mode
+    def log_marginal_likelihood(self, prior_precision=None, noise_std=None) -> torch.Tensor:
+        """Laplace approximation of log p(D | δ, σ) (MacKay 1992; Immer et al. 2021, eq. 6; laplace-torch).
 
         log p(D | δ) ≈ log p(D | θ*)
                        − ½ [log det P_post − log det P_prior + (θ* − θ̄)ᵀ P_prior (θ* − θ̄)],
@@ -1131,7 +1199,11 @@ class Laplace(MAP):
         Bayesian parameters with a prior: a parameter with a flat prior
         (``bias="uninformative"``) has no normalisable prior, so its Occam factor
         (a term that does not depend on δ) is left out. The constant
-        −(P/2) log 2π of the prior and posterior cancels.
+        −(P/2) log 2π of the prior and posterior cancels. With a learned Gaussian
+        noise std, ``noise_std`` evaluates the evidence at another σ (laplace-torch's
+        ``sigma_noise``): H scales by σ_now²/σ² (the GGN is Jᵀ J / σ²) and
+        log p(D | θ*, σ) = −RSS/(2σ²) − M log σ − (M/2) log 2π (RSS and M stored by
+        :meth:`fit_curvature`).
 
         Args:
             prior_precision: δ > 0: a float, a 0-d tensor, or T values (a
@@ -1139,6 +1211,9 @@ class Laplace(MAP):
                 :attr:`bayesian_names` order). A tensor with ``requires_grad``
                 gives a differentiable result. ``None`` uses
                 :attr:`prior_precision`. The model is not changed.
+            noise_std: σ > 0 in [1e-18, 1e18] (a float or a 0-d tensor; one with
+                ``requires_grad`` gives a differentiable result), only with
+                ``noise_std="learn"``; ``None`` uses the current σ.
 
         Returns:
             A 0-d float64 tensor (nats).
@@ -1146,7 +1221,8 @@ class Laplace(MAP):
         Raises:
             NotFittedError: before :meth:`fit_curvature`.
             ValueError: on a non-positive ``prior_precision``, one whose length
-                is neither 1 nor T, or when no Bayesian parameter has a prior.
+                is neither 1 nor T, when no Bayesian parameter has a prior, or a
+                ``noise_std`` out of range or given without ``noise_std="learn"``.
         """
         names, blocks, sq, log_lik = self._marglik_terms()
         if torch.isnan(log_lik):
@@ -1159,26 +1235,68 @@ class Laplace(MAP):
             delta = prior_precision.reshape(-1).to(log_lik).expand(len(self._prior_precision))
         else:
             delta = self._precision_vector(prior_precision).to(log_lik.device)
+        scale = 1.0  # of the curvature, σ_now² / σ²
+        if noise_std is not None:
+            log_lik, scale = self._noise_terms(noise_std, log_lik)
         index = {n: i for i, n in enumerate(self.theta.keys())}
         d = {n: delta[index[n]] for n in names}
         penalty = sum(d[n] * sq[n] for n in names)
         if blocks is not None:
-            return log_lik - 0.5 * (sum(torch.log1p(blocks[n] / d[n]).sum() for n in names) + penalty)
+            return log_lik - 0.5 * (sum(torch.log1p(scale * blocks[n] / d[n]).sum() for n in names) + penalty)
         structure = self._structure
         if bool((delta == delta[0]).all()) and not delta.requires_grad:  # scalar: H's eigenvalues serve every δ
-            log_det_ratio = torch.log1p(structure.eigenvalues() / delta[0]).sum()
+            log_det_ratio = torch.log1p(scale * structure.eigenvalues() / delta[0]).sum()
         else:
             diagonal = torch.cat([d[n].expand(self.theta[n].numel()) for n in names])
-            chol = torch.linalg.cholesky(structure.H.double() + torch.diag(diagonal))
+            chol = torch.linalg.cholesky(scale * structure.H.double() + torch.diag(diagonal))
             log_det_ratio = 2 * chol.diagonal().log().sum() - diagonal.log().sum()
         return log_lik - 0.5 * (log_det_ratio + penalty)
 
+    def _noise_terms(self, noise_std, log_lik: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """The log-likelihood log p(D | θ*, σ) = −RSS/(2σ²) − M log σ − (M/2) log 2π, and the factor σ_now²/σ²."""
+        if not self._learns_noise:
+            raise ValueError(f"noise_std={noise_std!r} is accepted only with a learned noise std; this model has "
+                             f"likelihood={self.likelihood.name!r} with "
+                             f"{'a fixed noise std' if self.likelihood.name == 'gaussian' else 'no noise std'}; "
+                             "accepted: noise_std=None, or wrap with likelihood='gaussian', noise_std='learn'")
+        if torch.is_tensor(noise_std) and noise_std.requires_grad:
+            check_scale("noise_std", float(noise_std.detach()))
+            sigma = noise_std.reshape(()).to(log_lik)
+        else:
+            sigma = torch.tensor(check_scale("noise_std", noise_std), dtype=torch.float64, device=log_lik.device)
+        rss, count = self.train_residuals.double().unbind()
+        value = -0.5 * rss / sigma**2 - count * torch.log(sigma) - 0.5 * count * math.log(2 * math.pi)
+        return value, self.likelihood.noise_std**2 / sigma**2
+
+    def _set_noise_std(self, sigma: float) -> None:
+        """Moves the fitted posterior to noise std σ: the curvature scales by σ_now²/σ², the log-likelihood follows."""
+        factor = self.likelihood.noise_std**2 / sigma**2
+        with torch.no_grad():
+            for n, h in self.curvature_diag.items():
+                self.curvature_diag[n] = h * factor
+            structure = self._structure
+            if isinstance(structure, FullPosterior):
+                structure.H.mul_(factor)
+            elif structure is not None:
+                torch._foreach_mul_([*structure.G.values(), *structure.h.values()], factor)
+            if structure is not None:
+                structure._cache = None  # the eigendecomposition is recomputed for the new factors
+            self.likelihood.noise_std = sigma
+            self.train_log_likelihood.fill_(float(self._noise_terms(sigma, self.train_log_likelihood)[0]))
+        self._update_posterior_var()
+
     def use_operating_point(self, name: str) -> dict:
-        """``"marglik"``: :meth:`optimize_prior_precision` by marginal likelihood (scalar δ); see the base class."""
+        """``"marglik"``: :meth:`optimize_prior_precision` by marginal likelihood (scalar δ, and σ when learned);
+        see the base class.
+        """
         if name != "marglik":
             return super().use_operating_point(name)
-        return {"prior_precision": self.optimize_prior_precision("marglik")}
+        options = {"prior_precision": self.optimize_prior_precision("marglik")}
+        if self._learns_noise:
+            options["noise_std"] = self.likelihood.noise_std
+        return options
 
+    @outside_inference_mode
     def optimize_prior_precision(self, method: str = "marglik", val_loader=None, grid=None,
                                  pred_type: str | None = None, link_approx: str | None = None, *,
                                  num_samples: int = 100, seed: int = 0,
@@ -1201,6 +1319,12 @@ class Laplace(MAP):
           ½ [n_t − δ_t tr_t(P⁻¹) − δ_t |θ*_t − θ̄_t|²] (whose root is MacKay's
           1992 fixed point δ_t = γ_t / |θ*_t − θ̄_t|²) and its exact Hessian,
           one Cholesky factorisation of P per step.
+          With a learned noise std (``noise_std="learn"``) σ is found jointly with δ
+          (scalar or layerwise): Newton's method with backtracking on
+          (log δ, log σ), with the gradient and Hessian of
+          :meth:`log_marginal_likelihood` by autograd; the curvature and the
+          training log-likelihood are then moved to the new σ (the GGN scales
+          by 1/σ²), and :attr:`noise_std` reports it.
         * ``"val"``: the value of ``grid`` with the lowest validation NLL of
           :meth:`predict` (with ``pred_type``/``link_approx``, ``num_samples``
           samples and a generator re-seeded with ``seed`` for every grid value,
@@ -1243,8 +1367,13 @@ class Laplace(MAP):
             if val_loader is not None or grid is not None:
                 raise ValueError("val_loader and grid are used only by method='val'; method='marglik' maximises "
                                  "the marginal likelihood over the training data")
-            self.prior_precision = (self._maximise_marglik() if prior_structure == "scalar"
-                                    else self._maximise_marglik_layerwise())
+            if self._learns_noise:
+                delta, sigma = self._maximise_marglik_with_noise(prior_structure)
+                self._set_noise_std(sigma)
+                self.prior_precision = delta
+            else:
+                self.prior_precision = (self._maximise_marglik() if prior_structure == "scalar"
+                                        else self._maximise_marglik_layerwise())
         else:
             if prior_structure != "scalar":
                 raise ValueError(f"prior_structure={prior_structure!r} is not accepted with method='val' (a grid "
@@ -1263,6 +1392,29 @@ class Laplace(MAP):
         start = self.prior_precision
         start = start if isinstance(start, float) else float(start.double().log().mean().exp())
         return _newton_marglik(h, float(sum(sq.values())), start, "")
+
+    def _maximise_marglik_with_noise(self, prior_structure: str) -> tuple[float | torch.Tensor, float]:
+        """Argmax over (δ, σ) of the Laplace evidence (δ scalar or one per tensor with a prior), by Newton in logs."""
+        names, _, _, _ = self._marglik_terms()
+        index = {n: i for i, n in enumerate(self.theta.keys())}
+        base = self._prior_precision.double().clone()
+        if prior_structure == "scalar":
+            rows = None
+            start = base[[index[n] for n in names]].log().mean().reshape(1)
+        else:
+            rows = torch.tensor(sorted({index[n] for n in names}))
+            start = base[rows].log()
+        z = torch.cat([start, torch.tensor([math.log(self.likelihood.noise_std)], dtype=torch.float64)])
+        low = torch.tensor([math.log(MARGLIK_BOUNDS[0])] * len(start) + [math.log(SCALE_RANGE[0])], dtype=z.dtype)
+        high = torch.tensor([math.log(MARGLIK_BOUNDS[1])] * len(start) + [math.log(SCALE_RANGE[1])], dtype=z.dtype)
+
+        def objective(t):
+            delta = t[:-1].exp() if rows is None else base.index_copy(0, rows, t[:-1].exp())
+            return self.log_marginal_likelihood(delta, noise_std=t[-1].exp())
+
+        z = _newton_ascent(objective, z.clamp(low, high), low, high, float(self.train_residuals[1]))
+        delta = float(z[0].exp()) if rows is None else base.index_copy(0, rows, z[:-1].exp())
+        return delta, float(z[-1].exp())
 
     def _maximise_marglik_layerwise(self) -> torch.Tensor:
         names, blocks, sq, _ = self._marglik_terms()
@@ -1321,7 +1473,7 @@ class Laplace(MAP):
         else:
             warnings.warn(f"the layerwise marginal-likelihood search stopped after {MARGLIK_NEWTON_ITERATIONS} "
                           f"Newton steps with gradient {float(grad.abs().max()):.3g} in log δ; the last iterate is "
-                          "set", RuntimeWarning, stacklevel=3)
+                          "set", RuntimeWarning, stacklevel=4)
         delta[rows] = t.exp()
         return delta
 
@@ -1370,7 +1522,7 @@ def _newton_marglik(h: torch.Tensor, sq: float, start: float, what: str) -> floa
         at = MARGLIK_BOUNDS[0] if slope(lo)[0] <= 0 else MARGLIK_BOUNDS[1]
         warnings.warn(f"the marginal likelihood{what} is maximal at the bound {at:g} of the search interval "
                       f"{MARGLIK_BOUNDS} (|θ* − θ̄|² = {sq:.3g}, Σλ = {float(h.sum()):.3g}); "
-                      "prior_precision set to that bound", RuntimeWarning, stacklevel=4)
+                      "prior_precision set to that bound", RuntimeWarning, stacklevel=5)
         return at
     t = min(max(math.log(start), lo), hi)
     for _ in range(200):
@@ -1390,6 +1542,50 @@ def _newton_marglik(h: torch.Tensor, sq: float, start: float, what: str) -> floa
     return math.exp(t)
 
 
+def _newton_ascent(objective, z: torch.Tensor, low: torch.Tensor, high: torch.Tensor, size: float) -> torch.Tensor:
+    """Maximises a smooth concave ``objective`` of a float64 vector within [low, high], by Newton with backtracking.
+
+    The gradient and Hessian come from autograd; where the Hessian is not negative definite the step is a
+    scaled gradient step. Stops when the gradient is below 1e-10 · max(1, ``size``) (the objective's scale, e.g.
+    the number of targets) or the step below 1e-13. Warns if the iterations run out.
+    """
+    def terms(t):
+        with torch.enable_grad():
+            t = t.detach().requires_grad_(True)
+            value = objective(t)
+            (g,) = torch.autograd.grad(value, t, create_graph=True)
+            h = torch.stack([torch.autograd.grad(g[i], t, retain_graph=i + 1 < len(g))[0] for i in range(len(g))])
+        return float(value.detach()), g.detach(), h.detach()
+
+    value, g, h = terms(z)
+    for _ in range(MARGLIK_NEWTON_ITERATIONS):
+        free = ~(((z <= low) & (g < 0)) | ((z >= high) & (g > 0)))  # coordinates not pushed against a bound
+        if float(torch.where(free, g, 0.0).abs().max()) < 1e-10 * max(1.0, size):
+            break
+        try:
+            torch.linalg.cholesky(-h)
+            step = torch.linalg.solve(h, -g)
+        except RuntimeError:
+            step = g / (g.abs().max() + 1.0)
+        for _ in range(60):  # backtracking: the objective must not decrease
+            trial = torch.minimum(torch.maximum(z + step, low), high)
+            new = terms(trial)
+            if new[0] >= value:
+                break
+            step = step / 2
+        else:
+            break
+        converged = float((trial - z).abs().max()) < 1e-13
+        z, (value, g, h) = trial, new
+        if converged:
+            break
+    else:
+        warnings.warn(f"the marginal-likelihood search over the prior precision and the noise std stopped after "
+                      f"{MARGLIK_NEWTON_ITERATIONS} Newton steps with gradient {float(g.abs().max()):.3g}; the last "
+                      "iterate is set", RuntimeWarning, stacklevel=4)
+    return z
+
+
 def _raise_if_no_forward_ad(err: Exception) -> None:
     """Turns PyTorch's "no forward AD formula" error into advice on what to use instead."""
     if "forward AD" in str(err):
@@ -1397,6 +1593,11 @@ def _raise_if_no_forward_ad(err: Exception) -> None:
             "the linearised samples of pred_type='glm' with link_approx='mc' need forward-mode AD "
             f"(torch.func.jvp), which an operation of this model lacks ({err}); use link_approx='probit' "
             "(reverse mode) or pred_type='nn'") from err
+
+
+def _trainable_count(model) -> int:
+    """The number of trainable parameter entries of ``model`` (tied tensors once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def _check_choice(name: str, value, accepted: tuple[str, ...]) -> str:

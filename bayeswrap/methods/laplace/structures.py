@@ -80,9 +80,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
-from torch.func import jacrev, vmap
+from torch.func import jacrev
 
 from bayeswrap.core.batches import batch_size, take, unsqueeze
+from bayeswrap.core.functional import find_last_layer, last_layer_params, vmap_over_examples  # noqa: F401 (re-exported)
 from bayeswrap.methods.laplace.curvature import _backward
 
 HESSIAN_STRUCTURES = ("diag", "kron", "full")
@@ -91,71 +92,6 @@ Delta = float | Mapping[str, float]
 SUBSETS_OF_WEIGHTS = ("all", "last_layer")
 #: ``hessian_structure="full"`` stores a P × P matrix: at most this many Bayesian parameters (3.2 GB in float64)
 MAX_FULL_PARAMS = 20_000
-#: attribute paths of the classification heads of torchvision models, tried in this order
-TORCHVISION_HEADS = ("fc", "classifier", "head", "heads.head")
-
-
-def find_last_layer(model: nn.Module) -> str:
-    """The name of the model's classifier, the layer ``subset_of_weights="last_layer"`` makes Bayesian.
-
-    Tried in order: timm's ``model.get_classifier()`` (the module it returns),
-    torchvision's head attributes (:data:`TORCHVISION_HEADS`; in an
-    ``nn.Sequential`` head, its last ``nn.Linear``), else the last ``nn.Linear``
-    in ``model.modules()`` order.
-
-    Args:
-        model: the user's module.
-
-    Returns:
-        A dotted module name ("" for a model that is itself an ``nn.Linear``).
-
-    Raises:
-        ValueError: if the model has no ``nn.Linear`` layer with trainable parameters.
-    """
-    names = {id(m): n for n, m in model.named_modules()}
-
-    def usable(m) -> bool:
-        return isinstance(m, nn.Linear) and m.weight.requires_grad
-
-    def last_linear(m) -> nn.Module | None:
-        found = None
-        for sub in m.modules():
-            if usable(sub):
-                found = sub
-        return found
-
-    candidates = []
-    get_classifier = getattr(model, "get_classifier", None)
-    if callable(get_classifier):
-        try:
-            candidates.append(get_classifier())
-        except Exception:  # a model's own method with another meaning
-            pass
-    for path in TORCHVISION_HEADS:
-        try:
-            candidates.append(model.get_submodule(path))
-        except AttributeError:
-            continue
-    for m in candidates:
-        if isinstance(m, nn.Module) and id(m) in names:
-            found = last_linear(m)
-            if found is not None:
-                return names[id(found)]
-    found = last_linear(model)
-    if found is None:
-        raise ValueError("subset_of_weights='last_layer' found no nn.Linear layer with trainable parameters in "
-                         f"{type(model).__name__}; accepted: a model with a linear classifier, or "
-                         "subset_of_weights='all' with params=[...] patterns")
-    return names[id(found)]
-
-
-def last_layer_params(model: nn.Module, name: str) -> list[str]:
-    """The trainable parameter names of the layer ``name`` (weight, then bias)."""
-    module = model.get_submodule(name)
-    prefix = f"{name}." if name else ""
-    return [prefix + a for a, p in module.named_parameters(recurse=False) if p.requires_grad]
-
-
 # ---------------------------------------------------------------------- capture of layer inputs and output gradients
 class LinearCapture:
     """Records the inputs a and outputs z of chosen ``nn.Linear`` / ``nn.Conv2d`` modules of the storage-free model.
@@ -605,4 +541,4 @@ def network_jacobian(forward, theta: Mapping[str, torch.Tensor], x, chunk: int) 
         return torch.cat([jac[n].reshape(jac[n].shape[0], -1) for n in theta], dim=-1)
 
     count = batch_size(x)  # inputs may be a tensor, or a tuple or mapping of tensors
-    return torch.cat([vmap(one)(take(x, slice(s, s + chunk))) for s in range(0, count, chunk)])
+    return torch.cat([vmap_over_examples(one)(take(x, slice(s, s + chunk))) for s in range(0, count, chunk)])

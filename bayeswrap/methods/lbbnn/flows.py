@@ -299,8 +299,8 @@ class MultiplicativeFlow(nn.Module):
         self.b2 = nn.Parameter(torch.randn(D))
         self.r_flow = IAF(D, self.flow_length, hidden_sizes, seed=(seed + self.flow_length) % (_MAX_SEED + 1))
 
-    def sample(self, num_samples: int | None = None) -> tuple[Tensor, Tensor]:
-        """Draws z_K ~ q(z) with the reparameterisation trick (global torch RNG).
+    def sample(self, num_samples: int | None = None, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """Draws z_K ~ q(z) with the reparameterisation trick (``generator``, by default the global torch RNG).
 
         With ``num_samples`` = S the S draws go through the flow as one batch:
         ``z_K`` has shape (S, D) and ``log_q`` shape (S,).
@@ -314,7 +314,7 @@ class MultiplicativeFlow(nn.Module):
             ``(z_K, log_q)``: (D,) and a scalar, both differentiable w.r.t. all q parameters.
         """
         shape = (self.dim,) if num_samples is None else (num_samples, self.dim)
-        eps = torch.randn(shape, dtype=self.mu0.dtype, device=self.mu0.device)
+        eps = torch.randn(shape, generator=generator, dtype=self.mu0.dtype, device=self.mu0.device)
         z0 = self.mu0 + torch.exp(0.5 * self.log_var0) * eps
         z, log_det = self.q_flow(z0)
         log_q0 = -0.5 * (_LOG_2PI + self.log_var0 + eps * eps).sum(-1)

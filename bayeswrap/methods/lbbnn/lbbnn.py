@@ -167,13 +167,14 @@ class LBBNN(SparsityMixin, BayesianModel):
         return {n: F.softplus(r) for n, r in self.rho.items()}
 
     # ------------------------------------------------------------------ flows
-    def _z(self, sample: bool, num_samples: int | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _z(self, sample: bool, num_samples: int | None = None, generator: torch.Generator | None = None
+           ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """``{layer path: z}`` (a flow sample, S stacked samples, or the flow at the base mean) and Σ log q(z)."""
         zs, log_q = {}, None
         for layer in self._lrt if self.flow_length else ():
             flow = self.flows[layer.path.replace(".", "/")]
             if sample:
-                z, lq = flow.sample(num_samples)
+                z, lq = flow.sample(num_samples, generator)
                 log_q = lq if log_q is None else log_q + lq
             else:
                 z = flow.q_flow(flow.mu0)[0]
@@ -306,7 +307,7 @@ class LBBNN(SparsityMixin, BayesianModel):
         sigma, alpha = self._sigma(), self.inclusion_probs()
         if mpm:
             alpha = {n: (a > 0.5).to(a.dtype) for n, a in alpha.items()}
-        zs, _ = self._z(sample=True, num_samples=num_samples)  # the S flow draws as one batch
+        zs, _ = self._z(sample=True, num_samples=num_samples, generator=generator)  # the S flow draws, one batch
         mean, var = self._moments(self._scaled_means(zs), sigma, alpha)
         mean = {n: t.expand(num_samples, *self.mean[n].shape) for n, t in mean.items()}  # shared moments: no copy
         var = {n: t.expand(num_samples, *self.mean[n].shape) for n, t in var.items()}

@@ -1,0 +1,385 @@
+"""Lightning integration: train, validate and predict a :class:`~bayeswrap.BayesianModel` with ``lightning.Trainer``.
+
+Two ways in, for the two ways people use Lightning:
+
+* :class:`BayesianModule` ``(bnn, optimizer)`` is a ``LightningModule`` around a
+  wrapped model. Its ``training_step`` is :func:`bayeswrap.fit`'s step (the same
+  loss ``bnn.loss(x, y).loss``, KL annealing, non-finite checks); validation logs
+  NLL, error, ECE and the uncertainty measures; ``predict_step`` returns the
+  posterior predictive.
+* :class:`BayesianCallback` ``(bnn)`` is for a ``LightningModule`` of your own that
+  holds ``bnn`` and returns ``bnn.loss(x, y).loss`` from its ``training_step``.
+
+Both call the method's hooks where :func:`bayeswrap.fit` calls them:
+``bnn.before_fit(num_steps, optimizer, steps_per_epoch)`` when training starts
+(``on_train_start``; num_steps is ``trainer.estimated_stepping_batches`` less the
+steps already taken, so a resumed fit plans like ``fit(start_epoch=...)``),
+``bnn.after_step()`` after every optimizer step (SGLD keeps its iterates, SWAG
+its moments, cyclical SGLD sets the next step size) and
+``bnn.after_fit(trainer.train_dataloader)`` when training ends (Laplace fits its
+curvature, SWAG its BatchNorm statistics). ``after_fit`` runs with autograd on
+(``torch.inference_mode(False)``, ``torch.enable_grad()``) whatever the hook's
+context. With the same seed, batches and optimizer, the posterior and the
+predictions equal those of ``bw.fit(bnn, loader, epochs=max_epochs, optimizer=...)``
+(tested for every method trained by ``fit``). Lightning's own
+``gradient_clip_val`` (norm clipping) stands for fit's ``grad_clip_norm``.
+
+Predictions work under ``torch.inference_mode``, which ``Trainer.validate``,
+``test`` and ``predict`` use by default: Laplace leaves it where it needs
+autograd (:func:`bayeswrap.core.functional.outside_inference_mode`).
+
+Lightning is an optional dependency: ``pip install "bayeswrap[lightning]"``.
+Tested single-process on the CPU; under a data-parallel strategy each rank logs
+its own validation metrics.
+
+Example:
+    >>> bnn = bw.wrap(model, "vi", num_data=len(train_set))
+    >>> module = BayesianModule(bnn, lambda params: torch.optim.AdamW(params, lr=1e-3), val_num_samples=8)
+    >>> trainer = lightning.Trainer(max_epochs=10)
+    >>> trainer.fit(module, train_loader, val_loader)
+    >>> probs = torch.cat(trainer.predict(module, test_loader))   # (N, K)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+
+try:
+    import lightning.pytorch as pl
+except ImportError as err:  # an optional extra
+    raise ImportError('bayeswrap.lightning needs Lightning (the "lightning" package, >= 2.2): '
+                      'pip install "bayeswrap[lightning]"') from err
+
+from bayeswrap.core.batches import NonFiniteInputError, batch_pair, check_inputs_finite, class_labels, to_device
+from bayeswrap.core.checks import check_bool, check_int
+from bayeswrap.core.functional import nonfinite_names
+from bayeswrap.core.likelihoods import at_least_float32
+from bayeswrap.core.schedules import check_factor
+from bayeswrap.evaluation import calibration, uncertainty
+from bayeswrap.methods.base import BayesianModel
+from bayeswrap.predictive import model_device, score
+from bayeswrap.training import _check_optimizer, _diagnose_nonfinite_loss, _label, _loss
+
+__all__ = ["BayesianCallback", "BayesianModule"]
+
+
+def _check_bnn(bnn) -> BayesianModel:
+    """``bnn`` if it is a BayesianModel that :func:`bayeswrap.fit` can train, else a ValueError."""
+    if not isinstance(bnn, BayesianModel):
+        raise ValueError(f"bnn must be a bayeswrap BayesianModel (from bw.wrap(model, method, ...)), got "
+                         f"{type(bnn).__name__}")
+    if bnn.not_trained_by_fit():
+        raise ValueError(bnn.not_trained_by_fit())
+    return bnn
+
+
+def _check_callable(name: str, value, allow_none: bool = True):
+    if (value is None and not allow_none) or (value is not None and not callable(value)):
+        raise ValueError(f"{name}={value!r} is not accepted; accepted: {'None or ' if allow_none else ''}a callable")
+    return value
+
+
+class BayesianCallback(pl.Callback):
+    """Drives a wrapped model's training hooks inside any ``LightningModule``.
+
+    For a ``LightningModule`` of your own that holds ``bnn`` (as an attribute, so
+    that it is a submodule) and returns ``bnn.loss(x, y).loss`` from its
+    ``training_step``, with an optimizer built from ``bnn.param_groups()`` (plus
+    any other parameters of your module):
+
+    * ``on_train_start``: ``bnn.before_fit(num_steps, optimizer, steps_per_epoch)``
+      with the optimizer that holds bnn's parameters, num_steps =
+      ``trainer.estimated_stepping_batches`` − ``trainer.global_step`` (``None`` if
+      unbounded) and steps_per_epoch = ``num_training_batches //
+      accumulate_grad_batches``;
+    * ``on_train_batch_start``: puts the model's structure back in bnn's train/eval
+      mode (Lightning restores ``module.training`` flags after validation without
+      calling ``train()``, which bayeswrap's storage-free copy needs);
+    * ``on_train_batch_end``: ``bnn.after_step()`` once per optimizer step taken
+      (``trainer.global_step`` advanced), so gradient accumulation counts steps,
+      not batches;
+    * ``on_train_epoch_end``: a ``FloatingPointError`` naming the first trainable
+      parameter of bnn that holds NaN or inf (as :func:`bayeswrap.fit` checks);
+    * ``on_train_end``: ``bnn.after_fit(trainer.train_dataloader)`` with autograd
+      on (leaving ``torch.inference_mode``), then ``bnn.eval()``.
+
+    Args:
+        bnn: the wrapped model (any method trained by :func:`bayeswrap.fit`).
+        finalize: call ``bnn.after_fit`` when training ends (False: call it
+            yourself later, e.g. on a reloaded best checkpoint).
+
+    Raises:
+        ValueError: here, if ``bnn`` is not a BayesianModel trained by ``fit`` (MH and
+            HMC sample with ``run_chains``) or ``finalize`` is not a bool; when
+            training starts, if ``bnn`` is not a submodule of the trained
+            ``LightningModule``, no optimizer or more than one holds its parameters,
+            or the optimizer is of the wrong class (SGLD and IVON need
+            :class:`bayeswrap.optim.SGLD` / :class:`bayeswrap.optim.IVON`).
+        FloatingPointError: at the end of an epoch, if a trainable parameter of
+            ``bnn`` is NaN or infinite.
+    """
+
+    def __init__(self, bnn: BayesianModel, *, finalize: bool = True):
+        super().__init__()
+        self.bnn = _check_bnn(bnn)
+        self.finalize = check_bool("finalize", finalize)
+        self.start_step = 0  # trainer.global_step when this fit started
+        self._stepped = 0  # trainer.global_step at the last after_step
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        bnn = self.bnn
+        if not any(m is bnn for m in pl_module.modules()):
+            raise ValueError(f"BayesianCallback's bnn is not a submodule of the trained {type(pl_module).__name__}; "
+                             "accepted: the LightningModule holds bnn as an attribute (self.bnn = bnn) and "
+                             "returns bnn.loss(x, y).loss from its training_step")
+        optimizer = self._optimizer(trainer)
+        required = bnn.required_optimizer
+        if required is not None and not isinstance(optimizer, required):
+            raise ValueError(f"a {bnn.method!r} model must be trained with bayeswrap.optim.{required.__name__}, "
+                             f"got {type(optimizer).__name__}; the method's update lives in that optimizer")
+        total = trainer.estimated_stepping_batches
+        num_steps = None if math.isinf(total) else max(0, int(total) - trainer.global_step)
+        batches = trainer.num_training_batches
+        steps_per_epoch = None if math.isinf(batches) else max(1, int(batches) // trainer.accumulate_grad_batches)
+        bnn.before_fit(num_steps, optimizer, steps_per_epoch=steps_per_epoch)
+        self.start_step = self._stepped = trainer.global_step
+
+    def _optimizer(self, trainer: pl.Trainer) -> torch.optim.Optimizer:
+        """The one optimizer of the trainer that holds parameters of bnn."""
+        ours = {id(p) for p in self.bnn.parameters()}
+        holding = [opt for opt in trainer.optimizers
+                   if any(id(p) in ours for group in opt.param_groups for p in group["params"])]
+        if len(holding) != 1:
+            raise ValueError(f"{len(holding)} of the trainer's {len(trainer.optimizers)} optimizers hold parameters "
+                             "of bnn; accepted: exactly one, built from bnn.param_groups() (or bnn.parameters()) in "
+                             "configure_optimizers")
+        return holding[0]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.bnn.model.training != self.bnn.training:  # after Lightning restored the flags of a validation
+            self.bnn.train(self.bnn.training)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        for _ in range(trainer.global_step - self._stepped):  # 0 while gradients accumulate
+            self.bnn.after_step()
+        self._stepped = trainer.global_step
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        bad = nonfinite_names((n, p) for n, p in self.bnn.named_parameters() if p.requires_grad)
+        if bad:
+            raise FloatingPointError(
+                f"parameter {_label(bad[0])} contains NaN or inf after epoch {trainer.current_epoch + 1} (after "
+                f"{trainer.global_step - self.start_step} optimizer steps of this fit); lower the learning rate, set "
+                "the Trainer's gradient_clip_val, or check the optimizer's hyper-parameters")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.finalize:
+            with torch.inference_mode(False), torch.enable_grad():  # Laplace's curvature needs autograd
+                self.bnn.after_fit(trainer.train_dataloader)
+        self.bnn.eval()
+
+
+class BayesianModule(pl.LightningModule):
+    """A ``LightningModule`` that trains, validates and predicts with a wrapped model.
+
+    ``trainer.fit(BayesianModule(bnn, optimizer), train_loader)`` trains ``bnn``
+    as ``bw.fit(bnn, train_loader, epochs=max_epochs, optimizer=...)`` does,
+    step for step (see the module docstring; the hooks are run by a
+    :class:`BayesianCallback` that this module installs). Batches are
+    ``(inputs, targets)`` pairs or mappings with the targets under
+    ``bnn.label_key`` (:func:`bayeswrap.core.batches.batch_pair`).
+
+    Logged (``self.log``, epoch means weighted by batch size):
+
+    * training: ``train_loss``, ``train_nll``, ``train_kl`` and ``train_error``
+      (classification), as in :func:`bayeswrap.fit`'s history;
+    * validation (``val_``) and test (``test_``) over the whole epoch:
+      ``nll`` and ``error`` of the posterior predictive with ``val_num_samples``
+      samples (0: the posterior mean; before the posterior exists, e.g. Laplace
+      before its curvature or in Lightning's sanity check, the current training
+      state), equal to :func:`bayeswrap.evaluate`'s; classification also ``ece``
+      (top-label, ``n_bins`` equal-width bins,
+      :func:`bayeswrap.evaluation.calibration.ece`) and ``entropy`` (mean entropy of
+      the predictive), and with ``val_num_samples`` ≥ 2 the means of
+      ``mutual_information``, ``variation_ratio`` and ``predictive_std``
+      (:mod:`bayeswrap.evaluation.uncertainty`) over ``val_num_samples`` draws made
+      with their own generator (seeded with ``seed`` every epoch, the global
+      random state restored after), so validation never changes the training
+      draws; regression ``nll`` and ``rmse``.
+
+    ``predict_step`` returns ``bnn.predict(x, num_samples=predict_num_samples)``:
+    probabilities (B, K), or ``(mean, variance)`` each (B, D) for a Gaussian
+    likelihood; ``trainer.predict`` gives one per batch. Its batches are inputs (a
+    tensor, or a mapping without ``bnn.label_key``) or, as in training,
+    ``(inputs, targets)`` pairs and labelled mappings, whose targets are ignored.
+
+    Args:
+        bnn: the wrapped model (any method trained by :func:`bayeswrap.fit`).
+        optimizer: a callable from parameters to a torch optimizer, called with
+            ``bnn.param_groups()``, e.g. ``lambda params: torch.optim.SGD(params, lr=0.1,
+            momentum=0.9)``; SGLD needs ``bw.optim.SGLD(params, lr=..., num_data=N)`` and
+            IVON ``bw.optim.IVON(params, lr=...)``.
+        scheduler: ``None`` or a callable from the optimizer to a learning-rate
+            scheduler, stepped once per epoch (as fit's ``scheduler``).
+        kl_schedule: ``None`` or a callable ``epoch -> factor ≥ 0`` scaling the KL term
+            during an epoch (as fit's ``kl_schedule``, e.g. :class:`bayeswrap.KLSchedule`).
+        val_num_samples: S for validation and test predictions, an integer ≥ 0.
+        predict_num_samples: S of ``predict_step`` and ``forward``, an integer ≥ 0.
+        n_bins: bins of the validation ECE, an integer ≥ 1.
+        seed: seed of the generator of the validation uncertainty draws.
+        finalize: call ``bnn.after_fit`` when training ends (see :class:`BayesianCallback`).
+
+    Raises:
+        ValueError: for a ``bnn`` that ``fit`` cannot train, a non-callable
+            ``optimizer`` (or ``scheduler``/``kl_schedule`` other than None), an
+            integer option out of range, or (in ``configure_optimizers``) an
+            optimizer of the wrong class or over other tensors than bnn's; during
+            training as :func:`bayeswrap.fit` (a batch that is not a pair, targets
+            that do not fit the likelihood, a bad ``kl_schedule`` factor).
+        FloatingPointError: if the training loss is NaN or infinite, with its
+            cause (non-finite inputs, parameters diverged in the last update, an
+            overflowing initial state), as :func:`bayeswrap.fit` reports it.
+    """
+
+    def __init__(self, bnn: BayesianModel, optimizer: Callable[..., torch.optim.Optimizer], *,
+                 scheduler: Callable | None = None, kl_schedule: Callable[[int], float] | None = None,
+                 val_num_samples: int = 0, predict_num_samples: int = 5, n_bins: int = 15, seed: int = 0,
+                 finalize: bool = True):
+        super().__init__()
+        self.bnn = _check_bnn(bnn)
+        self.make_optimizer = _check_callable("optimizer", optimizer, allow_none=False)
+        self.make_scheduler = _check_callable("scheduler", scheduler)
+        self.kl_schedule = _check_callable("kl_schedule", kl_schedule)
+        self.val_num_samples = check_int("val_num_samples", val_num_samples, minimum=0)
+        self.predict_num_samples = check_int("predict_num_samples", predict_num_samples, minimum=0)
+        self.n_bins = check_int("n_bins", n_bins, minimum=1)
+        self.seed = check_int("seed", seed, minimum=0)
+        self.callback = BayesianCallback(bnn, finalize=finalize)
+        self._outputs: list[tuple] = []  # the evaluation epoch's (predictive, sample probs, targets) per batch
+        self._generator: torch.Generator | None = None  # of the uncertainty draws, seeded at each evaluation epoch
+
+    # ------------------------------------------------------------------ set-up
+    def configure_callbacks(self):
+        return [self.callback]
+
+    def configure_optimizers(self):
+        optimizer = self.make_optimizer(self.bnn.param_groups())
+        _check_optimizer(self.bnn, optimizer)
+        if self.make_scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.make_scheduler(optimizer),
+                                                         "interval": "epoch"}}
+
+    def forward(self, x):
+        """``bnn.predict(x, num_samples=predict_num_samples)``."""
+        return self.bnn.predict(x, num_samples=self.predict_num_samples)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        """Loads a checkpoint through ``bnn.load_state_dict`` (its checks of non-finite values and keys)."""
+        prefix = "bnn."
+        if all(k.startswith(prefix) for k in state_dict):
+            return self.bnn.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items()}, strict=strict,
+                                            assign=assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # ------------------------------------------------------------------ steps
+    def _pair(self, batch, where: str):
+        x, y = batch_pair(batch, where, self.bnn.label_key)
+        device = model_device(self.bnn)
+        x, y = to_device(x, device), to_device(y, device)
+        if self.bnn.likelihood.name == "categorical":
+            y = class_labels(y)  # int32, int16, uint8 ... labels as the int64 that cross_entropy needs
+        return x, y
+
+    def training_step(self, batch, batch_idx):
+        """:func:`bayeswrap.fit`'s step: ``bnn.loss(x, y)`` (KL scaled by ``kl_schedule``), checked, logged."""
+        bnn, epoch = self.bnn, self.current_epoch
+        x, y = self._pair(batch, f"train_loader batch {batch_idx} of epoch {epoch + 1}")
+        factor = 1.0 if self.kl_schedule is None else check_factor(self.kl_schedule(epoch), "kl_schedule")
+        try:
+            out = _loss(bnn, x, y, factor)
+        except NonFiniteInputError as err:  # the loss's own check: diagnosed below with the epoch and step
+            if err.output is None:
+                raise
+            out = err.output
+        if not math.isfinite(out.loss.item()):
+            raise FloatingPointError(_diagnose_nonfinite_loss(bnn, out, x, y, epoch, batch_idx,
+                                                              self.trainer.global_step - self.callback.start_step))
+        b = y.shape[0]
+        metrics = {"train_loss": out.loss.detach(), "train_nll": out.nll.detach(), "train_kl": out.kl.detach()}
+        if bnn.likelihood.name == "categorical":
+            metrics["train_error"] = (out.logits.detach().argmax(1) != y).double().mean()
+        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=b)
+        return out.loss
+
+    def validation_step(self, batch, batch_idx):
+        self._evaluation_step(batch, f"the validation loader's batch {batch_idx}")
+
+    def test_step(self, batch, batch_idx):
+        self._evaluation_step(batch, f"the test loader's batch {batch_idx}")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_evaluation("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_evaluation("test")
+
+    def predict_step(self, batch, batch_idx, dataloader_idx: int = 0):
+        """The posterior predictive of a batch: ``bnn.predict(x, num_samples=predict_num_samples)``."""
+        key = self.bnn.label_key
+        if isinstance(batch, (tuple, list)) or (isinstance(batch, Mapping) and key in batch):
+            x = batch_pair(batch, f"the predict loader's batch {batch_idx}", key)[0]
+        else:
+            x = batch
+        return self.bnn.predict(to_device(x, model_device(self.bnn)), num_samples=self.predict_num_samples)
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluation_step(self, batch, where: str) -> None:
+        """Keeps one batch's predictive (as :func:`bayeswrap.predict_loader`), sample probabilities and targets."""
+        bnn = self.bnn
+        x, y = self._pair(batch, where)
+        if bnn.is_ready():
+            pred = bnn.predict(x, num_samples=self.val_num_samples)
+        else:  # before the posterior exists (Laplace before after_fit, SGLD before its first kept iterate)
+            check_inputs_finite(x)
+            pred = bnn._point_predictive(x)
+        sample_probs = None
+        if bnn.likelihood.name == "categorical" and self.val_num_samples >= 2 and bnn.is_ready():
+            device = model_device(bnn)
+            if self._generator is None:
+                self._generator = torch.Generator(device).manual_seed(self.seed)
+            with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+                logits = bnn.sample_logits(x, self.val_num_samples, generator=self._generator)
+            sample_probs = at_least_float32(logits).softmax(-1).cpu()
+        pred = tuple(t.cpu() for t in pred) if isinstance(pred, tuple) else pred.cpu()
+        self._outputs.append((pred, sample_probs, y.cpu()))
+
+    def on_validation_epoch_start(self) -> None:
+        self._outputs, self._generator = [], None
+
+    def on_test_epoch_start(self) -> None:
+        self._outputs, self._generator = [], None
+
+    def _log_evaluation(self, prefix: str) -> None:
+        """Logs the epoch's NLL, error (RMSE), ECE and uncertainty measures under ``prefix``."""
+        outputs, self._outputs = self._outputs, []
+        if not outputs:
+            return
+        y = torch.cat([o[2] for o in outputs])
+        if isinstance(outputs[0][0], tuple):
+            pred = (torch.cat([o[0][0] for o in outputs]), torch.cat([o[0][1] for o in outputs]))
+        else:
+            pred = torch.cat([o[0] for o in outputs])
+        metrics = score(self.bnn, pred, y)
+        if self.bnn.likelihood.name == "categorical":
+            metrics["ece"] = calibration.ece(pred, y, n_bins=self.n_bins)
+            metrics["entropy"] = calibration.predictive_entropy(pred)
+            if outputs[0][1] is not None:
+                sample_probs = torch.cat([o[1] for o in outputs], 1)
+                metrics["mutual_information"] = float(uncertainty.mutual_information(sample_probs).mean())
+                metrics["variation_ratio"] = float(uncertainty.variation_ratio(sample_probs).mean())
+                metrics["predictive_std"] = float(uncertainty.predictive_std(sample_probs).mean())
+        self.log_dict({f"{prefix}_{k}": float(v) for k, v in metrics.items()}, batch_size=len(y))
