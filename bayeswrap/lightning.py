@@ -21,8 +21,11 @@ curvature, SWAG its BatchNorm statistics). ``after_fit`` runs with autograd on
 (``torch.inference_mode(False)``, ``torch.enable_grad()``) whatever the hook's
 context. With the same seed, batches and optimizer, the posterior and the
 predictions equal those of ``bw.fit(bnn, loader, epochs=max_epochs, optimizer=...)``
-(tested for every method trained by ``fit``). Lightning's own
-``gradient_clip_val`` (norm clipping) stands for fit's ``grad_clip_norm``.
+(tested for every method trained by ``fit``; Lightning's sanity check validates
+before training and, with sampled predictions or a DataLoader, draws from the
+global random state: ``Trainer(num_sanity_val_steps=0)`` keeps fit's random
+stream). Lightning's own ``gradient_clip_val`` (norm clipping) stands for fit's
+``grad_clip_norm``.
 
 Predictions work under ``torch.inference_mode``, which ``Trainer.validate``,
 ``test`` and ``predict`` use by default: Laplace leaves it where it needs
@@ -61,7 +64,7 @@ from bayeswrap.core.schedules import check_factor
 from bayeswrap.evaluation import calibration, uncertainty
 from bayeswrap.methods.base import BayesianModel
 from bayeswrap.predictive import model_device, score
-from bayeswrap.training import _check_optimizer, _diagnose_nonfinite_loss, _label, _loss
+from bayeswrap.training import check_optimizer, diagnose_nonfinite_loss, parameter_label, step_loss
 
 __all__ = ["BayesianCallback", "BayesianModule"]
 
@@ -93,8 +96,8 @@ class BayesianCallback(pl.Callback):
     * ``on_train_start``: ``bnn.before_fit(num_steps, optimizer, steps_per_epoch)``
       with the optimizer that holds bnn's parameters, num_steps =
       ``trainer.estimated_stepping_batches`` − ``trainer.global_step`` (``None`` if
-      unbounded) and steps_per_epoch = ``num_training_batches //
-      accumulate_grad_batches``;
+      unbounded) and steps_per_epoch = ⌈``num_training_batches`` /
+      ``accumulate_grad_batches``⌉ (Lightning steps after an epoch's last batch);
     * ``on_train_batch_start``: puts the model's structure back in bnn's train/eval
       mode (Lightning restores ``module.training`` flags after validation without
       calling ``train()``, which bayeswrap's storage-free copy needs);
@@ -143,7 +146,7 @@ class BayesianCallback(pl.Callback):
         total = trainer.estimated_stepping_batches
         num_steps = None if math.isinf(total) else max(0, int(total) - trainer.global_step)
         batches = trainer.num_training_batches
-        steps_per_epoch = None if math.isinf(batches) else max(1, int(batches) // trainer.accumulate_grad_batches)
+        steps_per_epoch = None if math.isinf(batches) else max(1, math.ceil(batches / trainer.accumulate_grad_batches))
         bnn.before_fit(num_steps, optimizer, steps_per_epoch=steps_per_epoch)
         self.start_step = self._stepped = trainer.global_step
 
@@ -171,7 +174,7 @@ class BayesianCallback(pl.Callback):
         bad = nonfinite_names((n, p) for n, p in self.bnn.named_parameters() if p.requires_grad)
         if bad:
             raise FloatingPointError(
-                f"parameter {_label(bad[0])} contains NaN or inf after epoch {trainer.current_epoch + 1} (after "
+                f"parameter {parameter_label(bad[0])} contains NaN or inf after epoch {trainer.current_epoch + 1} (after "
                 f"{trainer.global_step - self.start_step} optimizer steps of this fit); lower the learning rate, set "
                 "the Trainer's gradient_clip_val, or check the optimizer's hyper-parameters")
 
@@ -267,7 +270,7 @@ class BayesianModule(pl.LightningModule):
 
     def configure_optimizers(self):
         optimizer = self.make_optimizer(self.bnn.param_groups())
-        _check_optimizer(self.bnn, optimizer)
+        check_optimizer(self.bnn, optimizer)
         if self.make_scheduler is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.make_scheduler(optimizer),
@@ -300,13 +303,13 @@ class BayesianModule(pl.LightningModule):
         x, y = self._pair(batch, f"train_loader batch {batch_idx} of epoch {epoch + 1}")
         factor = 1.0 if self.kl_schedule is None else check_factor(self.kl_schedule(epoch), "kl_schedule")
         try:
-            out = _loss(bnn, x, y, factor)
+            out = step_loss(bnn, x, y, factor)
         except NonFiniteInputError as err:  # the loss's own check: diagnosed below with the epoch and step
             if err.output is None:
                 raise
             out = err.output
         if not math.isfinite(out.loss.item()):
-            raise FloatingPointError(_diagnose_nonfinite_loss(bnn, out, x, y, epoch, batch_idx,
+            raise FloatingPointError(diagnose_nonfinite_loss(bnn, out, x, y, epoch, batch_idx,
                                                               self.trainer.global_step - self.callback.start_step))
         b = y.shape[0]
         metrics = {"train_loss": out.loss.detach(), "train_nll": out.nll.detach(), "train_kl": out.kl.detach()}

@@ -165,7 +165,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             raise ValueError(f"{name}={fn!r} is not accepted; accepted: None or a callable")
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):
         raise ValueError(f"scheduler={scheduler!r} has no step() method; accepted: None or a torch.optim.lr_scheduler")
-    _check_optimizer(bnn, optimizer)
+    check_optimizer(bnn, optimizer)
     try:
         num_steps = (epochs - start_epoch) * len(train_loader)
     except TypeError:  # an iterable without a length
@@ -209,7 +209,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             optimizer.zero_grad(set_to_none=True)
             with autocast():
                 try:
-                    out = _loss(bnn, x, y, kl_factor)
+                    out = step_loss(bnn, x, y, kl_factor)
                 except NonFiniteInputError as err:  # the loss's own check: diagnosed below with the epoch and step
                     if err.output is None:
                         raise
@@ -217,7 +217,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             loss_value = out.loss.item()
             finite = math.isfinite(loss_value)
             if not finite and not parallel:
-                message = _diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, updates)
+                message = diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, updates)
                 if best_state is not None:
                     bnn.load_state_dict(best_state)
                 raise FloatingPointError(message)
@@ -226,7 +226,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                 _, all_finite = distributed.all_reduce_gradients_(trainable_params, batch_size(x),
                                                                     loss_finite=finite)
                 if not all_finite:
-                    message = _diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, updates) if not finite else (
+                    message = diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, updates) if not finite else (
                         f"non-finite loss on another rank at epoch {epoch + 1}, step {step + 1} (this rank's "
                         f"loss was {loss_value}); that rank's error names the cause")
                     if best_state is not None:
@@ -264,7 +264,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             if best_state is not None:
                 bnn.load_state_dict(best_state)
             raise FloatingPointError(
-                f"parameter {_label(bad[0])} contains NaN or inf after epoch {epoch + 1} (the last of its "
+                f"parameter {parameter_label(bad[0])} contains NaN or inf after epoch {epoch + 1} (the last of its "
                 f"{updates} updates in this fit diverged although every loss was finite); lower the learning "
                 "rate, set grad_clip_norm, or check the optimizer's hyper-parameters"
                 + ("; the best validation state was restored" if best_state is not None else ""))
@@ -381,7 +381,7 @@ def _warn_if_not_sharded(loader) -> None:
                       "sampler=DistributedSampler(dataset))", RuntimeWarning, stacklevel=3)
 
 
-def _check_optimizer(bnn: BayesianModel, optimizer) -> None:
+def check_optimizer(bnn: BayesianModel, optimizer) -> None:
     """Refuses an optimizer that cannot train ``bnn``: the wrong class, or parameters that are not bnn's.
 
     Parameters are compared by identity, once per fit. IVON's optimizer finds its
@@ -410,13 +410,13 @@ def _check_optimizer(bnn: BayesianModel, optimizer) -> None:
                          "bnn.param_groups()")
 
 
-def _label(full_name: str) -> str:
+def parameter_label(full_name: str) -> str:
     """``"mean.0/weight"`` (a BayesianModel parameter) → ``"'0.weight' (mean)"``."""
     container, _, mangled = full_name.partition(".")
     return f"{mangled.replace('/', '.')!r} ({container})" if mangled else repr(container)
 
 
-def _diagnose_nonfinite_loss(bnn: BayesianModel, out, x, y, epoch: int, step: int, updates: int) -> str:
+def diagnose_nonfinite_loss(bnn: BayesianModel, out, x, y, epoch: int, step: int, updates: int) -> str:
     """Why the loss of a step is NaN or inf: its inputs, the parameters, the initial state, or divergence.
 
     Runs only after a non-finite loss (a few reductions), never on the hot path.
@@ -433,9 +433,9 @@ def _diagnose_nonfinite_loss(bnn: BayesianModel, out, x, y, epoch: int, step: in
     bad = nonfinite_names(bnn.named_parameters())
     if bad:
         if updates == 0:
-            return (f"{head}: parameter {_label(bad[0])} was already non-finite before the first update of this "
+            return (f"{head}: parameter {parameter_label(bad[0])} was already non-finite before the first update of this "
                     "fit (loaded from a bad checkpoint with strict=False, or set by hand?)")
-        return (f"{head}: parameter {_label(bad[0])} became non-finite in the last update (optimizer step "
+        return (f"{head}: parameter {parameter_label(bad[0])} became non-finite in the last update (optimizer step "
                 f"{updates} of this fit): the update diverged; lower the learning rate, set grad_clip_norm, or "
                 "check the optimizer's hyper-parameters")
     buffers = nonfinite_names(bnn.model_buffers.items(), nan_only=lambda n: True)
@@ -457,7 +457,7 @@ def _diagnose_nonfinite_loss(bnn: BayesianModel, out, x, y, epoch: int, step: in
             "lower the learning rate or set grad_clip_norm")
 
 
-def _loss(bnn: BayesianModel, x, y, kl_factor: float):
+def step_loss(bnn: BayesianModel, x, y, kl_factor: float):
     """``bnn.loss(x, y)`` with the KL weight scaled by ``kl_factor`` for this call only."""
     if kl_factor == 1.0:
         return bnn.loss(x, y)

@@ -220,3 +220,23 @@ def test_mc_dropout_on_digits_beats_the_dropout_off_network_and_map_under_rotati
             nll(plain.predict(x, 0))
         # 4 seeds: 30°: 1.49-1.68 against 1.62-1.95 (dropout off) and 1.96-2.16 (MAP); 60°: 3.6-3.9, 4.9-5.4, 6.1-6.4
         assert sampled < dropout_off < map_nll, (angle, sampled, dropout_off, map_nll)
+
+
+def test_cli_mode_layers_samples_the_backbones_dropout(tmp_path):
+    """--dropout gives the CLI's backbone dropout layers, which mc_dropout --mode layers samples."""
+    import json
+
+    from bayeswrap.app import cli
+    from bayeswrap.app.runs import load_run
+
+    args = ["fit", "--method", "mc_dropout", "--mode", "layers", "--dropout", "0.3", "--epochs", "2",
+            "--num-samples", "4", "--shift-rotations", "0", "--shift-noise", "0", "--ood-classes", "",
+            "--out-dir", str(tmp_path), "--run-name", "layers"]
+    assert cli.main(args) == 0
+    run = load_run(tmp_path / "layers")
+    drops = [m for m in run.model.model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(m.p == pytest.approx(0.3) for m in drops)
+    assert run.model.mode == "layers" and run.config.dropout == pytest.approx(0.3)
+    final = json.loads((tmp_path / "layers" / "metrics.json").read_text())["final"]["4"]
+    assert final["T1"]["error"] <= 0.3  # two epochs on digits with dropout 0.3
+    assert cli.main([*args[:6], "0", *args[7:], "--run-name", "none"]) == 2  # --dropout 0: no layer to sample

@@ -166,6 +166,11 @@ def load_splits(cfg: RunConfig, model: torch.nn.Module | None = None):
     else:
         splits = load_data(cfg.dataset, **kwargs, flatten=is_mlp,
                            img_size=cfg.img_size or (None if cfg.dataset != "digits" or is_mlp else 32))
+    shape = splits.image_shape
+    if cfg.corruptions() and (shape is None or len(shape) != 3 or shape[0] not in (1, 3)):  # before any weights
+        raise ValueError(f"shift_corruptions={cfg.shift_corruptions!r}: image corruptions need gray or RGB images "
+                         f"(C, H, W) with C = 1 or 3, but dataset {cfg.dataset!r} has inputs of image shape {shape}; "
+                         "accepted: an image dataset, or shift_corruptions empty")
     held_out = cfg.held_out_classes(splits.name)
     ood_test = None
     if held_out:
@@ -255,7 +260,7 @@ def build_model(cfg: RunConfig, info: DataInfo, *, for_evaluation: bool = False)
     elif info.dataset in ("digits", "mnist5k") and not cfg.model.startswith("tv:"):
         extra["in_chans"] = 1
     model = create_model(cfg.model, info.num_classes, pretrained=pretrained, init_checkpoint=init_checkpoint,
-                         **extra)
+                         dropout=cfg.dropout, **extra)
     head = head_parameter_names(model)
     patterns = [p.strip() for p in cfg.params.split(",") if p.strip()] or None
     bayesian = select_parameters(model, patterns)

@@ -85,7 +85,7 @@ from bayeswrap.core.io import (
 )
 from bayeswrap.data.datasets import DataError
 from bayeswrap.data.inputs import load_inputs
-from bayeswrap.data.shift import shifted_dataset
+from bayeswrap.data.shift import CORRUPTION, shifted_dataset
 from bayeswrap.evaluation import calibration, conformal, plots, protocol
 from bayeswrap.evaluation.tuning import tune, tune_with_prior
 from bayeswrap.evaluation.uncertainty import expected_entropy, mutual_information, predictive_entropy
@@ -119,7 +119,8 @@ def final_reports(bnn, splits, ood_test, cfg: RunConfig, num_samples: int, devic
     Returns:
         ``(report, arrays)``: the report of
         :func:`bayeswrap.evaluation.protocol.prediction_report` with ``num_samples``,
-        ``shift`` and ``ood`` added, and the predictive probabilities and labels used.
+        ``shift`` and ``ood`` added (and ``corruption``, the
+        :func:`~bayeswrap.evaluation.protocol.corruption_report`, when ``cfg.shift_corruptions`` is set), and the predictive probabilities and labels used.
     """
     bnn.eval()
 
@@ -142,6 +143,11 @@ def final_reports(bnn, splits, ood_test, cfg: RunConfig, num_samples: int, devic
         lambda kind, level: predict(shifted_dataset(splits.test, kind, level, image_shape=splits.image_shape,
                                                     seed=cfg.seed)),
         grids, temperature=report.get("temperature", 1.0), n_bins=cfg.n_bins)
+    if cfg.corruptions():  # severity 0 is the clean test set, scored above with the same generator seed
+        report["corruption"] = protocol.corruption_report(
+            lambda name, severity: test if severity == 0 else predict(shifted_dataset(
+                splits.test, CORRUPTION + name, severity, image_shape=splits.image_shape, seed=cfg.seed)),
+            cfg.corruptions(), cfg.severities(), temperature=report.get("temperature", 1.0), n_bins=cfg.n_bins)
     report["ood"] = None
     if ood_test is not None:
         report["ood"] = {"classes": list(cfg.held_out_classes(splits.name)),
@@ -172,11 +178,12 @@ def _write_uncertainty_plots(folder: Path, reports: dict[str, dict], *, temperat
     """shift.png, risk_coverage.png and gamma.png of one or several methods' final reports."""
     s = {m: r["num_samples"] for m, r in reports.items()}
     label = ", ".join(sorted({f"S = {v}" for v in s.values()}))
-    if any(k in r["shift"] for r in reports.values() for k in ("rotation", "noise")):
+    corrupted = {m: r["corruption"] for m, r in reports.items() if r.get("corruption")}
+    if corrupted or any(k in r["shift"] for r in reports.values() for k in ("rotation", "noise")):
         baseline = temperature_scaled if temperature_scaled in reports else None
         plots.shift_curves({m: r["shift"] for m, r in reports.items()}, folder / "shift.png",
-                           temperature_scaled=baseline, title=f"Dataset shift ({label}; TS: temperature from "
-                                                               "in-distribution validation)")
+                           temperature_scaled=baseline, corruption=corrupted,
+                           title=f"Dataset shift ({label}; TS: temperature from in-distribution validation)")
     plots.risk_coverage_curves({m: r["selective"] for m, r in reports.items()}, folder / "risk_coverage.png",
                                title=f"Selective prediction ({label})")
     if any(r["gamma"] for r in reports.values()):
@@ -1215,6 +1222,9 @@ def main(argv: list[str] | None = None) -> int:
             if report["shift"]["summary"]:
                 print("under shift (mean over intensities): " + ", ".join(
                     f"{k}={v:.4f}" for k, v in report["shift"]["summary"].items()))
+            if report.get("corruption"):
+                print("under corruption (mean over corruptions and severities): " + ", ".join(
+                    f"{k}={v:.4f}" for k, v in report["corruption"]["summary"].items()))
             if report.get("conformal"):
                 c = report["conformal"]
                 print(f"conformal {c['score']} sets at alpha={c['alpha']:g}: coverage={c['coverage']:.4f}, "

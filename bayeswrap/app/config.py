@@ -22,6 +22,7 @@ import yaml
 from bayeswrap.app.options import StrictLoader, coerce_option, option_specs, option_users, parse_bool
 from bayeswrap.core.checks import MAX_PREDICTIVE_SAMPLES, SCALE_RANGE, check_device
 from bayeswrap.core.io import file_kind
+from bayeswrap.data.corruptions import CORRUPTIONS, SEVERITIES, corruption_names, require_library
 from bayeswrap.data.datasets import DATASETS
 from bayeswrap.evaluation.conformal import SCORES as CONFORMAL_SCORES
 from bayeswrap.methods import METHODS, wrap
@@ -68,6 +69,8 @@ class RunConfig:
     model: str = _f("mlp", "backbone: 'mlp', a timm name (resnet101, vit_large_patch32_224) or tv:<torchvision name>")
     pretrained: bool = _f(False, "load pretrained weights (they become the prior mean; the new head's is zero)")
     init_checkpoint: str = _f("", "local weights file (safetensors or torch) used as initial weights and prior mean")
+    dropout: float = _f(0.0, "the backbone's own dropout: mlp after each hidden layer, timm drop_rate, torchvision "
+                                "dropout (0 = none; mc_dropout --mode layers samples it)")
     # inference method
     method: str = _f("vi", "inference method: " + ", ".join(METHODS))
     prior_std: float = _f(1.0, "prior std σ of N(θ̄, σ² I) (BayesDLL prior_sig)")
@@ -106,13 +109,19 @@ class RunConfig:
     n_bins: int = _f(15, "bins of ECE/MCE and reliability diagrams")
     conformal_alpha: float = _f(0.1, "miscoverage α of the split conformal prediction sets (threshold from the "
                                 "validation set, coverage and set size on test), in (0, 1)")
-    conformal_score: str = _f("aps", "conformity score of the conformal sets (non-randomized): lac (1 - p_y), aps "
-                              "(Romano et al. 2020) or raps (Angelopoulos et al. 2021, k_reg=1, lambda=0.01)")
+    conformal_score: str = _f("lac", "conformity score of the conformal sets (non-randomized): lac (1 - p_y, "
+                              "Sadinle et al. 2019; MAPIE's default: the smallest sets), aps (Romano et al. 2020) or "
+                              "raps (Angelopoulos et al. 2021, k_reg=1, lambda=0.01); non-randomized aps/raps sets are "
+                              "empty where the top label's probability exceeds the threshold")
     # evaluation under shift and out of distribution
     shift_rotations: str = _f(",".join(str(a) for a in range(0, 181, 15)),
                               "rotation angles (degrees) of the shift evaluation (Ovadia et al. 2019); empty = none")
     shift_noise: str = _f("0,0.1,0.2,0.3,0.5,0.75,1", "std of additive Gaussian pixel noise (on [0, 1] images) of "
                           "the shift evaluation; empty = none")
+    shift_corruptions: str = _f("", "image corruptions of Hendrycks & Dietterich (2019) in the shift evaluation: all "
+                                "(the 15), comma-separated names (" + ", ".join(CORRUPTIONS) + ") or empty = none; "
+                                'needs pip install "bayeswrap[corruptions]"')
+    shift_severities: str = _f("1,2,3,4,5", "severities of the corruptions: comma-separated integers in 1..5")
     ood_classes: str = _f("auto", "classes held out of training and scored as out-of-distribution: comma-separated "
                           "indices, auto (8,9 on digits and mnist5k, none otherwise) or empty")
     # output
@@ -163,6 +172,12 @@ class RunConfig:
         if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
             raise ValueError(f"out_dir={self.out_dir!r} is a file; accepted: a folder (created if missing)")
         self.rotation_angles(), self.noise_stds(), self.held_out_classes()  # parse (raises on bad lists)
+        self.severities()
+        if self.corruptions():
+            try:
+                require_library()
+            except ImportError as err:
+                raise ValueError(f"shift_corruptions={self.shift_corruptions!r}: {err}") from None
         self.burn_in()
         return self
 
@@ -253,6 +268,19 @@ class RunConfig:
         return _number_list("shift_noise", self.shift_noise, lambda v: math.isfinite(v) and v >= 0,
                             "finite numbers >= 0")
 
+    def corruptions(self) -> tuple[str, ...]:
+        """The corruptions of the shift evaluation (``all``: the 15 of Hendrycks & Dietterich), or ()."""
+        return corruption_names(self.shift_corruptions)
+
+    def severities(self) -> tuple[int, ...]:
+        """The corruption severities: distinct integers in 1..5."""
+        values = _number_list("shift_severities", self.shift_severities, lambda v: v in SEVERITIES,
+                              "distinct integers in 1..5, at least one")
+        if not values or len(set(values)) != len(values):
+            raise ValueError(f"shift_severities={self.shift_severities!r} is not valid; accepted: comma-separated "
+                             "distinct integers in 1..5, at least one")
+        return tuple(int(v) for v in values)
+
     def held_out_classes(self, dataset: str | None = None) -> tuple[int, ...]:
         """The class indices held out as out-of-distribution (``auto`` resolved for ``dataset``)."""
         if self.ood_classes.strip() == "auto":
@@ -330,6 +358,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "weight_decay": (lambda v: v >= 0, "a finite number >= 0"),
     "grad_clip_norm": (lambda v: v >= 0, "a finite number >= 0 (0 = no clipping)"),
     "val_fraction": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "dropout": (lambda v: 0 <= v < 1, "a number in [0, 1) (the backbone's dropout probability)"),
     "prior_std": (lambda v: PRIOR_STD_RANGE[0] <= v <= PRIOR_STD_RANGE[1],
                   f"a number in [{PRIOR_STD_RANGE[0]:g}, {PRIOR_STD_RANGE[1]:g}]"),
     "kl_weight": (lambda v: v >= 0, "a finite number >= 0"),
@@ -339,7 +368,8 @@ RANGES: dict[str, tuple[Any, str]] = {
 }
 #: options a resumed run may change: they do not touch the data, the split, the model or the method
 RESUME_ALLOWED = ("epochs", "lr", "lr_head", "momentum", "weight_decay", "scheduler", "warmup_epochs",
-                  "grad_clip_norm", "num_samples", "n_bins", "shift_rotations", "shift_noise", "device",
+                  "grad_clip_norm", "num_samples", "n_bins", "shift_rotations", "shift_noise", "shift_corruptions",
+                  "shift_severities", "device",
                   "num_workers", "progress", "amp", "conformal_alpha", "conformal_score")
 
 

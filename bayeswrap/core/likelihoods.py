@@ -39,8 +39,8 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
 
 def _check_tensor(outputs) -> None:
     if not isinstance(outputs, torch.Tensor):
-        hint = (" (for a model that returns a ModelOutput/dict, wrap it in a module whose forward returns the logits)"
-                if isinstance(outputs, (dict, tuple, list)) or hasattr(outputs, "logits") else "")
+        hint = (" (a model that returns a ModelOutput/dict is read at bw.wrap's output_key, a tuple at its first "
+                "element)" if isinstance(outputs, (dict, tuple, list)) or hasattr(outputs, "logits") else "")
         raise TypeError(f"the model returned a {type(outputs).__name__}; accepted: a tensor of outputs{hint}")
 
 

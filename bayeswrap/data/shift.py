@@ -10,6 +10,10 @@ scored on test inputs shifted by increasing amounts, here
   pixel units of ``[0, 1]`` images) is added to every pixel and the result clipped to
   ``[0, 1]``, the ``gaussian_noise`` corruption of Hendrycks & Dietterich (2019) used by
   Ovadia et al., on the grid :data:`NOISE_STDS`;
+* ``"corruption:<name>"``: Hendrycks & Dietterich's corruption ``<name>`` (one of
+  :data:`~bayeswrap.data.corruptions.CORRUPTIONS`) at severity ``intensity`` (0..5;
+  0 = clean), Ovadia et al.'s corrupted images (:mod:`bayeswrap.data.corruptions`,
+  which needs the optional ``imagecorruptions`` package);
 
 and on out-of-distribution inputs made by holding whole classes out of training
 (:func:`hold_out_classes`).
@@ -21,7 +25,7 @@ laid out as ``(..., C, H, W)``. Flat vectors (digits, mnist5k) are reshaped to t
 right before ``Normalize`` (:func:`shifted_transform`). :func:`shifted_dataset` picks the
 right one.
 
-Randomness: noise is reproducible. :class:`ShiftedDataset` seeds one generator per item
+Randomness: noise and corruptions are reproducible. :class:`ShiftedDataset` seeds one generator per item
 from ``(seed, index)``; the transform path, which never sees the index, seeds it from
 ``(seed, the bytes of the [0, 1] image tensor)``. Either way an item's noise does not
 depend on batching, shuffling, the order of access or DataLoader workers.
@@ -62,6 +66,7 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T2
 from torchvision.transforms.v2 import functional as TF
 
+from bayeswrap.data import corruptions
 from bayeswrap.data.datasets import ArrayDataset, DataSplits, TransformSubset, _dataset_targets
 
 __all__ = [
@@ -78,7 +83,11 @@ __all__ = [
 ]
 
 SHIFTS: tuple[str, ...] = ("rotation", "noise")
-"""Accepted values of ``kind``: ``"rotation"`` (intensity in degrees) and ``"noise"`` (intensity a std)."""
+"""Accepted values of ``kind``: ``"rotation"`` (intensity in degrees) and ``"noise"`` (intensity a std), and
+``CORRUPTION + name`` for a corruption of :data:`~bayeswrap.data.corruptions.CORRUPTIONS` (intensity a severity)."""
+
+CORRUPTION = "corruption:"
+"""Prefix of the corruption kinds: ``"corruption:fog"`` is the ``fog`` corruption."""
 
 ROTATION_ANGLES: tuple[int, ...] = tuple(range(0, 181, 15))
 """Default rotation grid in degrees, ``(0, 15, ..., 180)``: Ovadia et al.'s rotated MNIST."""
@@ -113,12 +122,17 @@ def _check_images(images: Any, min_ndim: int, what: str) -> None:
 
 
 def _check_kind(kind: Any) -> str:
+    if isinstance(kind, str) and kind.startswith(CORRUPTION) and kind[len(CORRUPTION):] in corruptions.CORRUPTIONS:
+        return kind
     if kind not in SHIFTS:
-        raise ValueError(f"unknown shift kind {kind!r}; choose one of: {', '.join(SHIFTS)}")
+        raise ValueError(f"unknown shift kind {kind!r}; choose one of: {', '.join(SHIFTS)}, or {CORRUPTION}<name> "
+                         f"with <name> one of {', '.join(corruptions.CORRUPTIONS)}")
     return str(kind)
 
 
 def _check_intensity(kind: str, intensity: Any) -> float:
+    if kind.startswith(CORRUPTION):
+        return float(corruptions.check_severity(intensity))
     if kind == "rotation":
         return _finite(intensity, "angle")
     std = _finite(intensity, "std")
@@ -230,9 +244,12 @@ def apply_shift(
         images: Float tensor ``(..., C, H, W)`` with values in ``[0, 1]`` (for
             ``"noise"`` any shape).
         kind: One of :data:`SHIFTS`: ``"rotation"`` (:func:`rotate`) or ``"noise"``
-            (:func:`gaussian_noise`).
-        intensity: Angle in degrees for ``"rotation"``; noise std (pixel units) for ``"noise"``.
-        generator: Generator of the noise; ignored by ``"rotation"``.
+            (:func:`gaussian_noise`), or ``"corruption:<name>"``
+            (:func:`bayeswrap.data.corruptions.corrupt`; ``(..., C, H, W)`` with C 1 or 3).
+        intensity: Angle in degrees for ``"rotation"``; noise std (pixel units) for ``"noise"``;
+            severity 0..5 for a corruption.
+        generator: Generator of the noise or of the corruption's per-image seeds; ignored by
+            ``"rotation"``.
 
     Returns:
         The shifted images, same shape, dtype and device (always a new tensor).
@@ -242,6 +259,8 @@ def apply_shift(
             ``intensity`` or ``images`` (see :func:`rotate`, :func:`gaussian_noise`).
     """
     kind = _check_kind(kind)
+    if kind.startswith(CORRUPTION):
+        return corruptions.corrupt(images, kind[len(CORRUPTION):], _check_intensity(kind, intensity), generator)
     if kind == "rotation":
         return rotate(images, intensity)
     return gaussian_noise(images, intensity, generator=generator)
@@ -262,8 +281,9 @@ class ShiftedDataset(Dataset):
     Args:
         dataset: Map-style dataset with items ``(x, y)``: ``x`` a float tensor of pixels
             in ``[0, 1]`` with ``prod(image_shape)`` elements, ``y`` an int.
-        kind: One of :data:`SHIFTS`.
-        intensity: Angle in degrees (``"rotation"``) or noise std in pixel units (``"noise"``).
+        kind: One of :data:`SHIFTS`, or ``"corruption:<name>"``.
+        intensity: Angle in degrees (``"rotation"``), noise std in pixel units (``"noise"``) or
+            severity 0..5 (``"corruption:<name>"``).
         image_shape: ``(C, H, W)`` layout of one ``x`` (``DataSplits.image_shape``), or
             ``None`` if items are already ``(C, H, W)`` images.
         seed: Non-negative int seeding the per-item noise.
@@ -312,7 +332,7 @@ class ShiftedDataset(Dataset):
                 f"item {i} has shape {tuple(x.shape)} ({x.numel()} values), which does not fit "
                 f"image_shape {shape} ({math.prod(shape)} values)"
             )
-        generator = _generator(self.seed, i) if self.kind == "noise" else None
+        generator = _generator(self.seed, i) if self.kind != "rotation" else None
         out = apply_shift(x.reshape(shape), self.kind, self.intensity, generator=generator)
         return out.reshape(x.shape), y
 
@@ -337,7 +357,7 @@ class _PixelShift:
                 "before Normalize or at its end"
             )
         generator = None
-        if self.kind == "noise" and self.intensity > 0:
+        if self.kind != "rotation" and self.intensity > 0:
             raw = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             digest = hashlib.blake2b(raw.tobytes(), digest_size=8).digest()
             generator = _generator(self.seed, int.from_bytes(digest, "little"))
@@ -381,8 +401,9 @@ def shifted_transform(
         transform: Transform mapping an input (e.g. a PIL image) to a float tensor
             ``(C, H, W)``, a ``Compose`` or any callable; ``None`` means inputs already are
             ``[0, 1]`` tensors.
-        kind: One of :data:`SHIFTS`.
-        intensity: Angle in degrees (``"rotation"``) or noise std in pixel units (``"noise"``).
+        kind: One of :data:`SHIFTS`, or ``"corruption:<name>"``.
+        intensity: Angle in degrees (``"rotation"``), noise std in pixel units (``"noise"``) or
+            severity 0..5 (``"corruption:<name>"``).
         seed: Non-negative int seeding the noise.
 
     Returns:
@@ -418,8 +439,9 @@ def shifted_dataset(
             imagefolder: the shift goes into its transform, see :func:`shifted_transform`)
             or any dataset of ``[0, 1]`` pixel tensors (digits, mnist5k: wrapped in a
             :class:`ShiftedDataset`).
-        kind: One of :data:`SHIFTS`.
-        intensity: Angle in degrees (``"rotation"``) or noise std in pixel units (``"noise"``).
+        kind: One of :data:`SHIFTS`, or ``"corruption:<name>"``.
+        intensity: Angle in degrees (``"rotation"``), noise std in pixel units (``"noise"``) or
+            severity 0..5 (``"corruption:<name>"``).
         image_shape: ``(C, H, W)`` layout of one input (``DataSplits.image_shape``); unused
             for a ``TransformSubset``.
         seed: Non-negative int seeding the noise.

@@ -43,8 +43,12 @@ and :math:`u \sim U(0, 1)` one uniform draw per example:
 Every set is :math:`\{y : s(x, y) \le \hat q\}` with the same score as in
 calibration, so the guarantee above holds for each variant, randomized or not.
 The randomized variants (one :math:`u` per example, drawn from ``generator``) are
-the ones with exact coverage; they can return empty sets. The non-randomized
-ones are deterministic and over-cover a little. Without randomization, labels of
+the ones with exact coverage. The non-randomized ones are deterministic and
+over-cover a little only where scores tie. Both can return empty sets: the APS
+and RAPS score of the top label is its probability (non-randomized), so an example
+whose top probability exceeds :math:`\hat q` gets an empty set (on a confident
+model with :math:`\hat q \approx 0.98`, about 9 % of the digits test set);
+LAC sets are empty only where every probability is below :math:`1 - \hat q`. Without randomization, labels of
 probability exactly 0 share the APS score of the last positive label, so a
 one-hot predictive gives full APS sets; RAPS with ``lam > 0`` and LAC do not.
 
@@ -259,7 +263,7 @@ def prediction_sets(probs: ArrayLike, threshold: float, *, score: str = "aps", r
     Returns:
         (N, K) bool CPU tensor, True where label y is in example i's set. Sets are
         nested in the threshold (a smaller α gives a larger :math:`\hat q` and
-        larger sets), and may be empty for the randomized scores.
+        larger sets), and may be empty (see the module docstring).
 
     Raises:
         ValueError: for bad probabilities, a NaN threshold or bad score options.

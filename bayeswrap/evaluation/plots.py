@@ -339,12 +339,18 @@ _SHIFT_X = {"rotation": "rotation angle (degrees)", "noise": "Gaussian noise std
 
 
 def shift_curves(shift: Mapping[str, Mapping[str, Any]], path: str | os.PathLike | None = None, *,
-                 temperature_scaled: str | None = "map", title: str | None = None, dpi: int = 150):
-    """Error, NLL and ECE against shift intensity, one line per method (Ovadia et al. 2019, Fig. 2).
+                 temperature_scaled: str | None = "map", title: str | None = None, dpi: int = 150,
+                 corruption: Mapping[str, Mapping[str, Any]] | None = None):
+    """Error, NLL and ECE against shift intensity, one line per method (Ovadia et al. 2019, Figs. 2 and 3).
 
     Args:
         shift: ``{method: shift report}``, each the output of
-            :func:`bayeswrap.evaluation.protocol.shift_report`.
+            :func:`bayeswrap.evaluation.protocol.shift_report` (may hold no curve when
+            ``corruption`` is given).
+        corruption: optional ``{method: corruption report}``, each the output of
+            :func:`bayeswrap.evaluation.protocol.corruption_report`: one more row against
+            severity, the mean over corruptions as a bold line per method and each
+            corruption as a thin line of the method's colour.
         path: optional destination (written atomically).
         temperature_scaled: a method whose temperature-scaled curves (``Topt``) are
             added as a dashed line labelled ``"<method> + TS"`` (the baseline every
@@ -353,18 +359,23 @@ def shift_curves(shift: Mapping[str, Mapping[str, Any]], path: str | os.PathLike
         dpi: resolution of the written file.
 
     Returns:
-        The matplotlib Figure: one row per shift kind, columns error, NLL, ECE.
+        The matplotlib Figure: one row per shift kind (and one for the corruptions),
+        columns error, NLL, ECE.
 
     Raises:
-        ValueError: if ``shift`` is empty or holds no shift curves.
+        ValueError: if ``shift`` is empty or holds no shift curves and no corruption report is given.
     """
     _require(shift, "shift_curves")
     kinds = [k for k in ("rotation", "noise") if any(k in r for r in shift.values())]
-    if not kinds:
-        raise ValueError("shift_curves: the reports hold no 'rotation' or 'noise' curves")
-    fig = _new_figure(figsize=(12, 3.3 * len(kinds)), layout="constrained")
-    axes = np.atleast_2d(fig.subplots(len(kinds), 3, squeeze=False))
-    colors = {m: f"C{i}" for i, m in enumerate(shift)}
+    corruption = {m: r for m, r in (corruption or {}).items() if r}
+    if not kinds and not corruption:
+        raise ValueError("shift_curves: the reports hold no 'rotation' or 'noise' curves and no corruption report")
+    rows = len(kinds) + bool(corruption)
+    fig = _new_figure(figsize=(12, 3.3 * rows), layout="constrained")
+    axes = np.atleast_2d(fig.subplots(rows, 3, squeeze=False))
+    colors = {m: f"C{i}" for i, m in enumerate({**shift, **corruption})}
+    if corruption:
+        _corruption_row(axes[-1], corruption, colors, temperature_scaled)
     for row, kind in zip(axes, kinds):
         for ax, metric in zip(row, ("error", "nll", "ece")):
             for method, rep in shift.items():
@@ -385,6 +396,26 @@ def shift_curves(shift: Mapping[str, Mapping[str, Any]], path: str | os.PathLike
     if path is not None:
         save_figure(fig, path, dpi=dpi)
     return fig
+
+
+def _corruption_row(row: Any, corruption: Mapping[str, Mapping[str, Any]], colors: dict[str, str],
+                    temperature_scaled: str | None) -> None:
+    """Error, NLL and ECE against corruption severity: thin per-corruption lines, the bold mean per method."""
+    names = sorted({n for rep in corruption.values() for n in rep["corruptions"]})
+    row[0].set_title(f"corruptions: mean over {len(names)} (bold), each (thin)", fontsize="medium")
+    for ax, metric in zip(row, ("error", "nll", "ece")):
+        for method, rep in corruption.items():
+            x = rep["severity"]
+            for curve in rep["corruptions"].values():
+                ax.plot(x, curve["T1"][metric], color=colors[method], alpha=0.25, linewidth=0.8)
+            ax.plot(x, rep["mean"]["T1"][metric], marker="o", ms=3, linewidth=2, color=colors[method], label=method)
+            if method == temperature_scaled:
+                ax.plot(x, rep["mean"]["Topt"][metric], marker="s", ms=3, linestyle="--", color="black",
+                        label=f"{method} + TS")
+        ax.set_xlabel("corruption severity (0 = clean)")
+        ax.set_xticks(sorted({v for rep in corruption.values() for v in rep["severity"]}))
+        ax.set_ylabel(_SHIFT_LABELS[metric])
+        ax.grid(alpha=0.3)
 
 
 def risk_coverage_curves(selective: Mapping[str, Mapping[str, Any]], path: str | os.PathLike | None = None, *,

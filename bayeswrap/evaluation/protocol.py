@@ -11,6 +11,8 @@ a point estimate) or a callable that produces them.
   uncertainty measures.
 * :func:`shift_report`: error, NLL and ECE against shift intensity (rotation,
   Gaussian noise), at T = 1 and at the in-distribution T (Ovadia et al. 2019).
+* :func:`corruption_report`: the same curves against the severity of each image
+  corruption of Hendrycks & Dietterich (2019), and their mean over corruptions.
 * :func:`ood_report`: pooled AUROC/AUPR/FPR95 of held-out classes against the
   in-distribution test set, scored by predictive entropy, mutual information and
   1 − max probability.
@@ -20,6 +22,8 @@ All results are JSON-serialisable dicts of Python floats and lists.
 References:
     Ovadia et al. Can You Trust Your Model's Uncertainty? Evaluating Predictive
     Uncertainty Under Dataset Shift. NeurIPS 2019, §4.
+    Hendrycks, Dietterich. Benchmarking Neural Network Robustness to Common
+    Corruptions and Perturbations. ICLR 2019.
     Hendrycks, Gimpel. A Baseline for Detecting Misclassified and
     Out-of-Distribution Examples in Neural Networks. ICLR 2017.
     Geifman, Uziel, El-Yaniv. Bias-Reduced Uncertainty Estimation for Deep Neural
@@ -45,8 +49,8 @@ from bayeswrap.evaluation.uncertainty import (
     variation_ratio,
 )
 
-__all__ = ["GAMMA_ALPHAS", "SHIFT_METRICS", "distinct_samples", "measures", "ood_report", "prediction_report",
-           "shift_report"]
+__all__ = ["GAMMA_ALPHAS", "SHIFT_METRICS", "corruption_report", "distinct_samples", "measures", "ood_report",
+           "prediction_report", "shift_report"]
 
 GAMMA_ALPHAS: tuple[float, ...] = tuple(round(a, 2) for a in np.linspace(0.05, 0.95, 19))
 """Default α grid of the γ(α) curves."""
@@ -197,6 +201,55 @@ def shift_report(predict_shifted: Callable[[str, float], tuple[torch.Tensor, tor
     out["summary"] = {k: float(np.mean(v)) for k, v in pooled.items()}
     out["summary_by_kind"] = {kind: {k: float(np.mean(v)) for k, v in d.items()} for kind, d in by_kind.items()}
     return out
+
+
+def corruption_report(predict_corrupted: Callable[[str, int], tuple[torch.Tensor, torch.Tensor]],
+                      corruptions: Sequence[str], severities: Sequence[int], *, temperature: float = 1.0,
+                      n_bins: int = 15) -> dict[str, Any]:
+    """Error, NLL and ECE against corruption severity: per corruption and the mean over corruptions.
+
+    The protocol of Ovadia et al. (2019, §4.2, Fig. 3) on the corruptions of Hendrycks
+    & Dietterich (2019): every corruption is scored at severity 0 (the clean test set)
+    and at ``severities`` by :func:`shift_report`, at T = 1 and at the in-distribution T.
+
+    Args:
+        predict_corrupted: ``(corruption, severity) -> (sample_probs (S, N, K), labels (N,))``
+            on the test set under that corruption; severity 0 is the clean test set (see
+            :mod:`bayeswrap.data.corruptions`).
+        corruptions: corruption names, at least one, no repeats.
+        severities: distinct ints in 1..5 (at least one).
+        temperature: T > 0 applied for the ``Topt`` curves.
+        n_bins: ECE bins.
+
+    Returns:
+        ``{"severity": [0, *severities], "corruptions": {name: {"T1": {metric: [...]},
+        "Topt": {metric: [...]}}}, "mean": {"T1": ..., "Topt": ...}, "summary": {metric:
+        mean, metric + "_Topt": mean}, "summary_by_corruption": {name: {...}}}`` with
+        metrics ``error``, ``nll``, ``ece``. ``mean`` is, at each severity, the average of
+        the per-corruption values; ``summary`` averages every corrupted (severity >= 1)
+        value of every corruption (the mean curve's average over severities >= 1), and
+        ``summary_by_corruption`` does the same per corruption.
+
+    Raises:
+        ValueError: no or repeated corruptions, severities outside 1..5 or repeated
+            (naming the values and the accepted ones), a non-positive temperature or bad
+            probabilities.
+    """
+    names = [str(c) for c in corruptions]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"corruptions={list(corruptions)!r} is not valid; accepted: at least one name, no repeats")
+    levels = list(severities)
+    if not levels or len(set(levels)) != len(levels) or any(
+            isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= 5 for v in levels):
+        raise ValueError(f"severities={levels!r} is not valid; accepted: distinct integers in 1..5, at least one")
+    grid = [0, *(int(v) for v in levels)]
+    rep = shift_report(lambda name, level: predict_corrupted(name, int(level)), {c: grid for c in names},
+                       temperature=temperature, n_bins=n_bins)
+    curves = {c: {tag: rep[c][tag] for tag in ("T1", "Topt")} for c in names}
+    mean = {tag: {m: np.mean([curves[c][tag][m] for c in names], axis=0).tolist() for m in SHIFT_METRICS}
+            for tag in ("T1", "Topt")}
+    return {"severity": grid, "corruptions": curves, "mean": mean, "summary": rep["summary"],
+            "summary_by_corruption": rep["summary_by_kind"]}
 
 
 def ood_report(sample_probs_in: torch.Tensor, sample_probs_out: torch.Tensor) -> dict[str, Any]:
