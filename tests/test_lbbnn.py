@@ -158,7 +158,33 @@ def test_lbbnn_trains_on_digits_with_adamw_and_sgd_in_minibatches():
         results[name] = (acc, acc_mpm, start, bnn.density())
     for name, (acc, acc_mpm, start, end) in results.items():
         assert acc > 0.85 and acc_mpm > 0.8, (name, results)
-    assert results["adamw"][3] < results["adamw"][2]  # the prior α_p = 0.1 sparsifies
+    assert results["adamw"][3] < results["adamw"][2]  # the slab's KL sparsifies
+
+
+def test_the_data_move_the_density_from_the_default_initialisation():
+    """Regression (issue 25): λ ~ U(−10, 15) starts 60 % of the weights in; a short Adam run must move the density
+    below 0.5 and below the fraction of λ₀ that lie beyond Σ lr (the distance Adam's nominal steps can cover), so
+    the data, not the initialisation, set it, while the MPM keeps the full model's accuracy.
+    """
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x, y = torch.tensor(d.data / 16, dtype=torch.float32), torch.tensor(d.target)
+    train = [(x[i:i + 64], y[i:i + 64]) for i in range(0, 1200, 64)]
+    torch.manual_seed(0)
+    bnn = bw.wrap(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)), "lbbnn", num_data=1200)
+    lam0 = torch.cat([t.detach().reshape(-1) for t in bnn.logit.values()])
+    # U(−10, 15): P(λ₀ > 0) = 0.6; 4,736 weights give a binomial std of 0.007
+    assert bnn.density() == pytest.approx(0.6, abs=0.03)
+    lr, epochs = 1e-2, 20
+    bw.fit(bnn, train, epochs=epochs, optimizer=torch.optim.Adam(bnn.param_groups(), lr=lr), progress=False)
+    budget = lr * len(train) * epochs  # Σ lr = 3.8
+    out_of_reach = float((lam0 > budget).float().mean())  # (15 − 3.8) / 25 ≈ 0.45
+    assert bnn.density() < 0.5 and bnn.density() < out_of_reach - 0.02, (bnn.density(), out_of_reach)
+    g = torch.Generator().manual_seed(0)
+    acc = (bnn.predict(x[1200:], 10, generator=g).argmax(1) == y[1200:]).float().mean().item()
+    acc_mpm = (bnn.predict(x[1200:], 10, generator=g, model="mpm").argmax(1) == y[1200:]).float().mean().item()
+    assert acc > 0.85 and acc_mpm > acc - 0.03, (acc, acc_mpm)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -44,13 +44,17 @@ def _paths(out: Path):
 
 def test_fast_mode_writes_md_json_png(fast_run):
     md, js, png = _paths(fast_run["out"])
-    assert md.exists() and js.exists() and png.exists()
-    assert png.stat().st_size > 10_000
+    budget_png = fast_run["out"] / "lbbnn_mnist5k.png"
+    assert md.exists() and js.exists() and png.exists() and budget_png.exists()
+    assert png.stat().st_size > 10_000 and budget_png.stat().st_size > 10_000
     assert not list(fast_run["out"].glob(".*.tmp"))  # atomic writes leave no temporary files
     text = md.read_text()
+    assert text.startswith("Regenerate: `OMP_NUM_THREADS=1 .venv/bin/python scripts/lbbnn_mnist5k.py --fast --out ")
     assert "FAST MODE" in text and "scripts/lbbnn_mnist5k.py --fast" in text
     for needle in ("## 1. Table 1 on mnist5k", "## 2. Variable selection", "## 3. Predictive entropy",
-                   "## 4. Time per epoch", "## Discussion", "scaled by", "paper MPM median", "98.10", "0.838"):
+                   "## 4. Time per epoch", "## Discussion", "scaled by", "paper MPM median", "98.10", "0.838",
+                   "Density and accuracy over the budget", "(lbbnn_mnist5k.png)", "The BNN's settings",
+                   "## 5. Digits at the library's defaults", "Targets of issue 25"):
         assert needle in text, needle
     assert "wrote" in fast_run["stdout"]
 
@@ -84,6 +88,40 @@ def test_json_table1_has_the_four_methods_with_valid_numbers(fast_run):
     for name in TABLE_METHODS:
         expected = table[name]["seconds_per_epoch"]["median"] / table["BNN"]["seconds_per_epoch"]["median"]
         assert timing[name]["ratio_to_vi"] == pytest.approx(expected)
+
+
+def test_json_budget_curves_and_vi_choice(fast_run, script):
+    data = json.loads(_paths(fast_run["out"])[1].read_text())
+    steps = math.ceil(600 / 100)  # the fast mode: 600 training images, batch 100
+    # the LBBNN options reported are the library's defaults
+    assert data["lbbnn_options"]["prior_inclusion"] == script.LBBNN_COMMON["prior_inclusion"]
+    for name in ("LBBNN", "LBBNN-LRT", "LBBNN-FLOW"):
+        runs = data["table1"][name]["per_seed"]
+        for run in runs:
+            curve = run["curve"]
+            assert [p["epoch"] for p in curve] == [1, 2]  # curve_every = 1 in the fast mode
+            assert curve[-1]["density"] == pytest.approx(run["density"])  # the last point is the trained model
+            for p in curve:
+                assert p["adam_budget"] == pytest.approx(data["lr"] * steps * p["epoch"])
+                assert 0.0 <= p["val_mpm_accuracy"] <= 1.0 and 0.0 <= p["val_full_accuracy"] <= 1.0
+        med = data["curves"][name]
+        for i, p in enumerate(med):  # medians over seeds, point by point
+            assert p["density"] == pytest.approx(float(np.median([r["curve"][i]["density"] for r in runs])))
+    assert "BNN" not in data["curves"]
+    grid = data["vi_grid"]
+    assert len(grid) == 2
+    best = max(grid.values(), key=lambda e: (e["val_accuracy"], -e["val_nll"]))
+    assert data["vi"] == {"lr": best["lr"], "local_reparam": best["local_reparam"]}
+
+
+def test_json_digits_rows_and_gap(fast_run, script):
+    dg = json.loads(_paths(fast_run["out"])[1].read_text())["digits"]
+    assert len(dg["per_seed"]) == 1 and dg["sizes"]["train"] + dg["sizes"]["test"] < 1797  # minus validation
+    entry = dg["per_seed"][0]
+    assert set(entry) == {"seed", *script.DIGITS_METHODS}
+    assert "mpm_accuracy" not in entry["MAP"] and 0.0 < entry["LBBNN-LRT"]["density"] <= 1.0
+    assert dg["max_mpm_gap_to_map"] == pytest.approx(entry["MAP"]["full_accuracy"]
+                                                     - entry["LBBNN-LRT"]["mpm_accuracy"])
 
 
 def test_json_variable_selection_and_clusters(fast_run):
