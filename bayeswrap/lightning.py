@@ -56,7 +56,7 @@ except ImportError as err:  # an optional extra
     raise ImportError('bayeswrap.lightning needs Lightning (the "lightning" package, >= 2.2): '
                       'pip install "bayeswrap[lightning]"') from err
 
-from bayeswrap.core.batches import NonFiniteInputError, batch_pair, check_inputs_finite, class_labels, to_device
+from bayeswrap.core.batches import batch_pair, check_inputs_finite, loader_pair, to_device
 from bayeswrap.core.checks import check_bool, check_int
 from bayeswrap.core.functional import nonfinite_names
 from bayeswrap.core.likelihoods import at_least_float32
@@ -290,24 +290,15 @@ class BayesianModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ steps
     def _pair(self, batch, where: str):
-        x, y = batch_pair(batch, where, self.bnn.label_key)
-        device = model_device(self.bnn)
-        x, y = to_device(x, device), to_device(y, device)
-        if self.bnn.likelihood.name == "categorical":
-            y = class_labels(y)  # int32, int16, uint8 ... labels as the int64 that cross_entropy needs
-        return x, y
+        return loader_pair(batch, where, self.bnn.label_key, model_device(self.bnn),
+                           self.bnn.likelihood.name == "categorical")
 
     def training_step(self, batch, batch_idx):
         """:func:`bayeswrap.fit`'s step: ``bnn.loss(x, y)`` (KL scaled by ``kl_schedule``), checked, logged."""
         bnn, epoch = self.bnn, self.current_epoch
         x, y = self._pair(batch, f"train_loader batch {batch_idx} of epoch {epoch + 1}")
         factor = 1.0 if self.kl_schedule is None else check_factor(self.kl_schedule(epoch), "kl_schedule")
-        try:
-            out = step_loss(bnn, x, y, factor)
-        except NonFiniteInputError as err:  # the loss's own check: diagnosed below with the epoch and step
-            if err.output is None:
-                raise
-            out = err.output
+        out = step_loss(bnn, x, y, factor)
         if not math.isfinite(out.loss.item()):
             raise FloatingPointError(diagnose_nonfinite_loss(bnn, out, x, y, epoch, batch_idx,
                                                               self.trainer.global_step - self.callback.start_step))

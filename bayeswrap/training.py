@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from bayeswrap.core import distributed
-from bayeswrap.core.batches import NonFiniteInputError, batch_pair, batch_size, class_labels, tensor_leaves, to_device
+from bayeswrap.core.batches import NonFiniteInputError, batch_size, loader_pair, tensor_leaves
 from bayeswrap.core.checks import check_float, check_int
 from bayeswrap.core.functional import nonfinite_names
 from bayeswrap.core.schedules import check_factor
@@ -202,18 +202,11 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                    disable=None if progress and distributed.is_main_process() else True,
                    leave=False)  # None: tqdm's own check, off when stderr is not a terminal
         for step, batch in enumerate(bar):
-            x, y = batch_pair(batch, f"train_loader batch {step} of epoch {epoch + 1}", bnn.label_key)
-            x, y = to_device(x, device), to_device(y, device)
-            if classification:
-                y = class_labels(y)  # int32, int16, uint8 ... labels as the int64 that cross_entropy needs
+            x, y = loader_pair(batch, f"train_loader batch {step} of epoch {epoch + 1}", bnn.label_key, device,
+                               classification)
             optimizer.zero_grad(set_to_none=True)
             with autocast():
-                try:
-                    out = step_loss(bnn, x, y, kl_factor)
-                except NonFiniteInputError as err:  # the loss's own check: diagnosed below with the epoch and step
-                    if err.output is None:
-                        raise
-                    out = err.output
+                out = step_loss(bnn, x, y, kl_factor)
             loss_value = out.loss.item()
             finite = math.isfinite(loss_value)
             if not finite and not parallel:
@@ -458,12 +451,22 @@ def diagnose_nonfinite_loss(bnn: BayesianModel, out, x, y, epoch: int, step: int
 
 
 def step_loss(bnn: BayesianModel, x, y, kl_factor: float):
-    """``bnn.loss(x, y)`` with the KL weight scaled by ``kl_factor`` for this call only."""
-    if kl_factor == 1.0:
-        return bnn.loss(x, y)
+    """``bnn.loss(x, y)`` with the KL weight scaled by ``kl_factor`` for this call only.
+
+    A loss that the model's own check found non-finite because of the inputs (a
+    :class:`~bayeswrap.core.batches.NonFiniteInputError` carrying the loss output) is
+    returned, so that the caller diagnoses it with the epoch and step
+    (:func:`diagnose_nonfinite_loss`); without an output the error is raised.
+    """
     full = bnn.kl_weight
-    bnn.kl_weight = full * kl_factor
+    if kl_factor != 1.0:
+        bnn.kl_weight = full * kl_factor
     try:
         return bnn.loss(x, y)
+    except NonFiniteInputError as err:
+        if err.output is None:
+            raise
+        return err.output
     finally:
-        bnn.kl_weight = full
+        if kl_factor != 1.0:
+            bnn.kl_weight = full

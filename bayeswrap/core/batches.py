@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 __all__ = ["NonFiniteInputError", "batch_pair", "batch_size", "check_inputs_finite", "class_labels", "map_tensors",
-           "take", "tensor_leaves", "to_device", "unsqueeze", "without_key", "x_device"]
+           "loader_pair", "take", "tensor_leaves", "to_device", "unsqueeze", "without_key", "x_device"]
 
 #: integer label dtypes cast to int64 by :func:`class_labels` (what ``cross_entropy`` needs)
 _NARROW_LABELS = frozenset(getattr(torch, name) for name in ("int8", "int16", "int32", "uint8", "uint16", "uint32",
@@ -78,6 +78,18 @@ def batch_pair(batch, where: str = "the loader", label_key: str = "labels"):
     raise ValueError(f"{where} yielded {got}; accepted: (inputs, targets) pairs, e.g. a DataLoader over a "
                      "TensorDataset(x, y) or a list of (x, y) tuples, or mappings with the targets under "
                      f"label_key={label_key!r} (a Hugging Face batch); wrap other loaders so they yield one of these")
+
+
+def loader_pair(batch, where: str, label_key: str, device: torch.device | str, classification: bool):
+    """A training batch ready for the loss: :func:`batch_pair`, both parts moved to ``device``, and class
+    labels of a narrow integer dtype read as int64 (:func:`class_labels`) when ``classification``.
+
+    Raises:
+        ValueError: as :func:`batch_pair`.
+    """
+    x, y = batch_pair(batch, where, label_key)
+    x, y = to_device(x, device), to_device(y, device)
+    return x, (class_labels(y) if classification else y)
 
 
 def without_key(x, key: str):

@@ -86,7 +86,6 @@ import functools
 import inspect
 import math
 import numbers
-import operator
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -95,6 +94,8 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+
+from bayeswrap.core.checks import check_int
 
 __all__ = ["CORRUPTIONS", "INSTALL_HINT", "MIN_SIDE", "SEVERITIES", "check_corruption", "check_severity",
            "corrupt", "corrupt_array", "corruption_names", "require_library"]
@@ -268,18 +269,6 @@ def _adapted(module: Any, name: str, seed: int) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------------
 # corruptions
 # --------------------------------------------------------------------------------------------------
-def _check_seed(seed: Any) -> int:
-    if isinstance(seed, bool):
-        raise ValueError(f"seed={seed!r} is not valid; accepted: an integer in [0, 2^32 - 1]")
-    try:
-        value = operator.index(seed)
-    except TypeError:
-        raise ValueError(f"seed={seed!r} is not valid; accepted: an integer in [0, 2^32 - 1]") from None
-    if not 0 <= value <= 2**32 - 1:
-        raise ValueError(f"seed={seed!r} is not valid; accepted: an integer in [0, 2^32 - 1]")
-    return value
-
-
 def corrupt_array(image: np.ndarray, name: str, severity: int, seed: int = 0) -> np.ndarray:
     """Corrupt one 8-bit image with ``imagecorruptions`` (any size, gray or RGB, reproducibly).
 
@@ -307,7 +296,7 @@ def corrupt_array(image: np.ndarray, name: str, severity: int, seed: int = 0) ->
     Source:
         Hendrycks & Dietterich 2019 (§3), through ``imagecorruptions.corrupt``.
     """
-    name, severity, seed = check_corruption(name), check_severity(severity), _check_seed(seed)
+    name, severity, seed = check_corruption(name), check_severity(severity), check_int("seed", seed, minimum=0, maximum=2**32 - 1, note="numpy's seed range")
     if not isinstance(image, np.ndarray) or image.dtype != np.uint8:
         got = f"dtype {image.dtype}" if isinstance(image, np.ndarray) else type(image).__name__
         raise ValueError(f"image must be a uint8 numpy array; got {got}")

@@ -94,7 +94,7 @@ import torch
 from torch.func import grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from bayeswrap.core.batches import batch_pair, batch_size, check_inputs_finite, class_labels, take, to_device, unsqueeze
+from bayeswrap.core.batches import batch_size, check_inputs_finite, loader_pair, take, unsqueeze
 from bayeswrap.core.checks import SCALE_RANGE, check_scale
 from bayeswrap.core.distributed import all_reduce_sum_
 from bayeswrap.core.functional import (
@@ -671,10 +671,8 @@ class Laplace(MAP):
             structure.reset()
         try:
             for index, batch in enumerate(train_loader):
-                x, y = batch_pair(batch, f"fit_curvature's loader batch {index}", self.label_key)
-                x, y = to_device(x, device), to_device(y, device)
-                if self.likelihood.name == "categorical":
-                    y = class_labels(y)  # int32, int16, uint8 ... labels as int64
+                x, y = loader_pair(batch, f"fit_curvature's loader batch {index}", self.label_key, device,
+                                   self.likelihood.name == "categorical")
                 out = self.forward_with(theta, x)
                 self.likelihood.check_targets(out, y)
                 batch_log_lik = -self.likelihood.nll(out, y, reduction="none").double().sum()
