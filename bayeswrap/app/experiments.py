@@ -27,7 +27,7 @@ import bayeswrap as bw
 
 __all__ = [
     "experiment_parser", "test_mode_parser", "script_argv", "registered_methods", "select_methods",
-    "make_optimizer", "tanh_mlp",
+    "own_optimizer", "make_optimizer", "tanh_mlp",
     "seeded_subset", "split_tensors", "shuffled_loader", "top1_accuracy", "mean_nll", "accuracy_nll",
     "prediction_scores", "fmt_or_failed", "jsonable",
 ]
@@ -108,8 +108,28 @@ def select_methods(requested: str | None, available: Sequence[str]) -> list[str]
 
 # --------------------------------------------------------------------------- training
 
+def own_optimizer(bnn: bw.BayesianModel, lr: float, **options: Any) -> torch.optim.Optimizer | None:
+    """The optimizer the method owns (``bnn.required_optimizer``: SGLD, IVON) over ``bnn.param_groups()``.
+
+    Args:
+        bnn: A wrapped model.
+        lr: Its learning rate.
+        **options: More keyword arguments of that optimizer (e.g. SGLD's ``noise_scale``, IVON's ``beta2``).
+            :class:`bw.optim.SGLD` gets ``num_data = bnn.num_data`` unless ``options`` sets it.
+
+    Returns:
+        The optimizer, or ``None`` when the method trains with any optimizer (the script chooses one).
+    """
+    required = bnn.required_optimizer
+    if required is None:
+        return None
+    if required is getattr(bw.optim, "SGLD", None):
+        options = {"num_data": bnn.num_data, **options}
+    return required(bnn.param_groups(), lr=lr, **options)
+
+
 def make_optimizer(bnn: bw.BayesianModel, cfg: Mapping[str, Any]) -> tuple[torch.optim.Optimizer, str]:
-    """The method's own optimizer if it needs one (``bnn.required_optimizer``), else Adam.
+    """The method's own optimizer if it needs one (:func:`own_optimizer`), else Adam.
 
     Args:
         bnn: A wrapped model; its ``param_groups()`` are optimised.
@@ -124,13 +144,12 @@ def make_optimizer(bnn: bw.BayesianModel, cfg: Mapping[str, Any]) -> tuple[torch
         ValueError: if the method needs another optimizer.
     """
     required = bnn.required_optimizer
-    groups = bnn.param_groups()
     if required is None:
-        return torch.optim.Adam(groups, lr=cfg["lr"]), f"Adam(lr={cfg['lr']})"
+        return torch.optim.Adam(bnn.param_groups(), lr=cfg["lr"]), f"Adam(lr={cfg['lr']})"
     if required is getattr(bw.optim, "SGLD", None):
-        return required(groups, lr=cfg["sgld_lr"], num_data=bnn.num_data), f"bw.optim.SGLD(lr={cfg['sgld_lr']})"
+        return own_optimizer(bnn, cfg["sgld_lr"]), f"bw.optim.SGLD(lr={cfg['sgld_lr']})"
     if required is getattr(bw.optim, "IVON", None):
-        return (required(groups, lr=cfg["ivon_lr"], beta2=cfg["ivon_beta2"]),
+        return (own_optimizer(bnn, cfg["ivon_lr"], beta2=cfg["ivon_beta2"]),
                 f"bw.optim.IVON(lr={cfg['ivon_lr']}, beta2={cfg['ivon_beta2']})")
     raise ValueError(f"method {bnn.method!r} needs optimizer {required.__name__}, which this script cannot build")
 

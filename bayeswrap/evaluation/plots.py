@@ -19,18 +19,32 @@ from bayeswrap.core.io import atomic_write
 from bayeswrap.evaluation import calibration as cal
 
 __all__ = ["reliability_diagram", "temperature_curve", "training_curves", "reliability_grid", "shift_curves",
-           "risk_coverage_curves", "gamma_curves", "trace_plot", "rank_plot", "save_figure"]
+           "risk_coverage_curves", "gamma_curves", "trace_plot", "rank_plot", "new_figure", "save_figure"]
 
 _FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
 
 
-def _new_figure(**kwargs: Any):
+def new_figure(**kwargs: Any):
+    """A matplotlib ``Figure`` on its own Agg canvas, outside pyplot's global state (nothing is shown or kept open).
+
+    matplotlib is imported here, on the first figure, so importing this module stays cheap.
+
+    Args:
+        **kwargs: ``matplotlib.figure.Figure`` arguments, e.g. ``figsize=(6, 4)``, ``layout="constrained"``.
+
+    Returns:
+        The figure; write it with :func:`save_figure`.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(**kwargs)
     FigureCanvasAgg(fig)
     return fig
+
+
+#: The former private name, kept while scripts still import it (issue 31 makes them use :func:`new_figure`).
+_new_figure = new_figure
 
 
 def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 150) -> str:
@@ -128,7 +142,7 @@ def reliability_diagram(probs: Any, labels: Any, path: str | os.PathLike | None 
     stats = cal.bin_stats(probs, labels, n_bins, kind)
     metrics = {"ECE": stats.ece, "MCE": stats.mce, "NLL": cal.nll(probs, labels)}
 
-    fig = _new_figure(figsize=(5.0, 6.2), layout="constrained")
+    fig = new_figure(figsize=(5.0, 6.2), layout="constrained")
     grid = fig.add_gridspec(2, 1, height_ratios=(3, 1))
     ax = fig.add_subplot(grid[0])
     ax_hist = fig.add_subplot(grid[1], sharex=ax)
@@ -206,7 +220,7 @@ def temperature_curve(history: Any, path: str | os.PathLike | None = None, *, ti
         raise ValueError("history needs non-empty 'temperatures' and 'nlls' of equal length; got lengths "
                          f"{temps.size} and {nlls.size}")
     iters = np.arange(temps.size)
-    fig = _new_figure(figsize=(8.0, 3.2), layout="constrained")
+    fig = new_figure(figsize=(8.0, 3.2), layout="constrained")
     ax_t, ax_n = fig.subplots(1, 2)
     ax_t.plot(iters, temps, marker="o", markersize=3, color="tab:blue")
     if t_final is not None:
@@ -255,7 +269,7 @@ def training_curves(history: list[Mapping[str, Any]], path: str | os.PathLike | 
     """
     if not history:
         raise ValueError("training_curves needs at least one epoch record; got an empty history")
-    fig = _new_figure(figsize=(9, 3.6))
+    fig = new_figure(figsize=(9, 3.6))
     axes = fig.subplots(1, 2)
     epochs = [h["epoch"] for h in history]
     for ax, metric in zip(axes, ("nll", "error")):
@@ -273,7 +287,7 @@ def training_curves(history: list[Mapping[str, Any]], path: str | os.PathLike | 
 def _grid(n: int, columns: int, size: tuple[float, float]):
     cols = max(1, min(columns, n))
     rows = (n + cols - 1) // cols
-    fig = _new_figure(figsize=(size[0] * cols, size[1] * rows), layout="constrained")
+    fig = new_figure(figsize=(size[0] * cols, size[1] * rows), layout="constrained")
     axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
     for ax in axes[n:]:
         ax.set_visible(False)
@@ -371,7 +385,7 @@ def shift_curves(shift: Mapping[str, Mapping[str, Any]], path: str | os.PathLike
     if not kinds and not corruption:
         raise ValueError("shift_curves: the reports hold no 'rotation' or 'noise' curves and no corruption report")
     rows = len(kinds) + bool(corruption)
-    fig = _new_figure(figsize=(12, 3.3 * rows), layout="constrained")
+    fig = new_figure(figsize=(12, 3.3 * rows), layout="constrained")
     axes = np.atleast_2d(fig.subplots(rows, 3, squeeze=False))
     colors = {m: f"C{i}" for i, m in enumerate({**shift, **corruption})}
     if corruption:
@@ -436,7 +450,7 @@ def risk_coverage_curves(selective: Mapping[str, Mapping[str, Any]], path: str |
         ValueError: if ``selective`` is empty.
     """
     _require(selective, "risk_coverage_curves")
-    fig = _new_figure(figsize=(5.5, 4.2))
+    fig = new_figure(figsize=(5.5, 4.2))
     ax = fig.subplots()
     for method, rep in selective.items():
         ax.plot(rep["coverage"], rep["risk"], label=f"{method} (AURC {1000 * rep['aurc']:.1f}e-3)")
