@@ -53,21 +53,21 @@ import shlex
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as ``python scripts/benchmark.py``: ``scripts`` is a package of the repository
+if __package__ in (None, ""):  # run as a file: ``scripts`` is a package of the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from bayeswrap.core.io import write_json, write_text  # noqa: E402
-from scripts.benchmarks.bayesdll import load_bayesdll  # noqa: E402
-from scripts.benchmarks.curvature import curvature_backends, curvature_section  # noqa: E402
-from scripts.benchmarks.epoch import mlp_epoch  # noqa: E402
-from scripts.benchmarks.laplace import laplace_section, load_laplace_torch, probit_agreement  # noqa: E402
-from scripts.benchmarks.predict import predictive  # noqa: E402
-from scripts.benchmarks.report import figure, markdown  # noqa: E402
-from scripts.benchmarks.step import METHODS, child_memory, step_section  # noqa: E402
-from scripts.benchmarks.targets import LAPLACE_TARGETS, check, evaluate_targets  # noqa: E402
-from scripts.benchmarks.workloads import LAPLACE_CLASSES, digits_data, small_cnn  # noqa: E402
+from bayeswrap.core.io import write_json, write_text
+from scripts.benchmarks.bayesdll import load_bayesdll
+from scripts.benchmarks.curvature import curvature_backends, curvature_section
+from scripts.benchmarks.epoch import mlp_epoch
+from scripts.benchmarks.laplace import laplace_section, load_laplace_torch, probit_agreement
+from scripts.benchmarks.predict import predictive
+from scripts.benchmarks.report import figure, markdown
+from scripts.benchmarks.step import METHODS, child_memory, step_section
+from scripts.benchmarks.targets import LAPLACE_TARGETS, check, evaluate_targets
+from scripts.benchmarks.workloads import LAPLACE_CLASSES, digits_data, small_cnn
 
 __all__ = ["LAPLACE_CLASSES", "LAPLACE_TARGETS", "check", "digits_data", "load_laplace_torch", "main", "parse_args",
            "probit_agreement", "regenerate_command", "small_cnn"]

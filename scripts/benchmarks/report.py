@@ -29,7 +29,8 @@ def markdown(result: dict) -> str:
                   "configuration.", ""]
     if result.get("bayesdll"):
         b = result["bayesdll"]
-        lines += ([""] if lines[-1] else []) + [f"BayesDLL: `{b['path']}` (commit {b['commit']}), imported at run time. Its step is the body of "
+        lines += ([""] if lines[-1] else []) + [
+                  f"BayesDLL: `{b['path']}` (commit {b['commit']}), imported at run time. Its step is the body of "
                   "its own `Runner.train_one_epoch` loop: `runner.model(...)` (their `Model.forward`: sampling into "
                   "the workhorse net, forward, backward, prior/KL gradients) then `runner.optimizer.step()` (their "
                   "torch SGD, momentum 0.9, the same lr), on the same model weights and batch, in the same rounds; "
