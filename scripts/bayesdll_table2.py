@@ -92,6 +92,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str]):
+    """``--out``, ``--fast``, ``--bayesdll-src``, ``--methods``, ``--epochs`` and ``--seeds``."""
     p = ex.experiment_parser(__doc__.split("\n\n")[0], out_default=ROOT / "figures",
                              fast_help="smoke test: MLP 784-32-32-32-10, 2 epochs, 256 training images, one seed")
     p.add_argument("--bayesdll-src", default=None, metavar="PATH",

@@ -74,6 +74,7 @@ __all__ = ["LAPLACE_CLASSES", "LAPLACE_TARGETS", "check", "digits_data", "load_l
 
 
 def parse_args(argv=None):
+    """The benchmark's options, checked: ``--methods`` (``plain`` first), curvature kinds, GLM links, S values."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="resnet18,resnet50,resnet101,vit_small_patch16_224,vit_base_patch16_224,"
                                        "vit_large_patch32_224")

@@ -118,6 +118,7 @@ def run_experiment(cfg: dict, log=print) -> dict:
 
 
 def parse_args(argv: list[str] | None):
+    """``--out``, ``--fast``, ``--seeds`` and ``--epochs``."""
     p = ex.experiment_parser(__doc__.split("\n\n")[0], out_default=ROOT / "figures",
                              fast_help="smoke test: small subsets, 2 seeds, 2 epochs")
     p.add_argument("--seeds", default=None, help="comma-separated seeds for Table 1 (default: 0,1,2; fast: 0,1)")

@@ -92,6 +92,7 @@ class RecordingLoader:
 
     @property
     def digest(self) -> str:
+        """SHA-1 hex digest of every batch handed out so far (see the class)."""
         return self._hash.hexdigest()
 
 

@@ -205,6 +205,7 @@ def density_sources(lam0: torch.Tensor, lam1: torch.Tensor, budget: float) -> di
 
 
 def min_median_max(values) -> dict | None:
+    """``{"min", "median", "max"}`` of the values that are not ``None``; ``None`` if there are none."""
     vals = [v for v in values if v is not None]
     if not vals:
         return None
@@ -237,6 +238,7 @@ def budget_curves(results: dict) -> dict:
 
 
 def timing(results: dict) -> dict:
+    """Part 4: per Table-1 method, the median seconds per epoch, its ratio to the BNN's and the paper's."""
     vi = results["BNN"]["seconds_per_epoch"]["median"]
     return {name: {"seconds_per_epoch": r["seconds_per_epoch"]["median"],
                    "ratio_to_vi": r["seconds_per_epoch"]["median"] / vi if vi > 0 else float("nan"),

@@ -28,10 +28,12 @@ from scripts.lbbnn_experiments.tables import (
 
 
 def sizes_train(data: dict) -> str:
+    """The number of training images, with a thousands separator."""
     return f"{data['sizes']['train']:,}"
 
 
 def num_weights(data: dict) -> str:
+    """The MLP's number of parameters, with a thousands separator."""
     return f"{data['num_parameters']:,}"
 
 

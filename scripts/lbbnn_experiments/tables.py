@@ -8,6 +8,7 @@ from scripts.lbbnn_experiments.settings import DIGITS_METHODS, PAPER
 
 
 def digits_table(dg: dict) -> str:
+    """Part 5: per method and its options, the full and MPM accuracies and the density of every seed."""
     rows = ["| method | options | full acc. % (per seed) | MPM acc. % (per seed) | density (per seed) |",
             "|---|---|---|---|---|"]
     for name, (method, options) in DIGITS_METHODS.items():
@@ -40,6 +41,7 @@ TABLE1_HEADER = ("| method | MPM acc. % (min / median / max) | paper MPM median 
 
 
 def table1(results: dict) -> str:
+    """Part 1: Table 1, min / median / max over seeds of our accuracies beside the paper's medians."""
     rows = [TABLE1_HEADER, "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         p = PAPER["table1"][name]
@@ -51,6 +53,7 @@ def table1(results: dict) -> str:
 
 
 def vi_table(grid: dict, chosen: dict) -> str:
+    """The BNN's validation grid (Adam lr, local reparameterisation), the chosen row marked."""
     rows = ["| Adam lr | local reparameterisation | val. acc. % | val. NLL | training error % (last epoch) | |",
             "|---|---|---|---|---|---|"]
     for e in grid.values():
@@ -61,6 +64,7 @@ def vi_table(grid: dict, chosen: dict) -> str:
 
 
 def curve_table(curves: dict, name: str) -> str:
+    """The density and validation accuracies of ``name`` along its training budget (medians over seeds)."""
     rows = ["| epoch | Σ lr | density | val. acc. MPM % | val. acc. full % |", "|---|---|---|---|---|"]
     for p in curves.get(name, []):
         rows.append(f"| {p['epoch']} | {p['adam_budget']:.2f} | {p['density']:.3f} | {pct(p['val_mpm_accuracy'])} "
@@ -72,6 +76,7 @@ VARSEL_HEADER = "| method | TPR (mean ± std) | paper TPR | FPR (mean ± std) | 
 
 
 def varsel_table(vs: dict) -> str:
+    """Part 2: TPR and FPR (mean ± std over data sets) beside the paper's."""
     rows = [VARSEL_HEADER, "|---|---|---|---|---|"]
     for name, s in vs["summary"].items():
         p = PAPER["variable_selection"][name]
@@ -81,6 +86,7 @@ def varsel_table(vs: dict) -> str:
 
 
 def frequency_table(vs: dict) -> str:
+    """Part 2: per covariate, its true β and the fraction of data sets in which each method selected it."""
     names = list(vs["summary"])
     rows = ["| covariate | true β | " + " | ".join(f"{n}: selected" for n in names) + " |",
             "|---|---|" + "---|" * len(names)]
@@ -95,6 +101,7 @@ TIMING_HEADER = ("| method | s / epoch (median over epochs and seeds) | ratio to
 
 
 def timing_table(tm: dict) -> str:
+    """Part 4: seconds per epoch and the ratio to the BNN's, beside the paper's seconds."""
     rows = [TIMING_HEADER, "|---|---|---|---|"]
     for name, t in tm.items():
         rows.append(f"| {name} | {t['seconds_per_epoch']:.2f} | {t['ratio_to_vi']:.2f} "
@@ -103,6 +110,7 @@ def timing_table(tm: dict) -> str:
 
 
 def cluster_table(summary: dict) -> str:
+    """Part 3: per method, S, the training accuracy and the mean entropies on and away from the data."""
     rows = ["| method | S | training accuracy | mean entropy on training points | mean entropy > 2 from data |",
             "|---|---|---|---|---|"]
     for name, s in summary.items():

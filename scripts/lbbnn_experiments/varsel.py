@@ -72,6 +72,7 @@ class TwoClassLogistic(nn.Module):
         self.linear = nn.Linear(num_features, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, 2)``: ``[0, w·x + b]`` for inputs ``(B, num_features)``."""
         z = self.linear(x)
         return torch.cat([torch.zeros_like(z), z], 1)
 
