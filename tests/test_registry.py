@@ -8,6 +8,11 @@
 
 import inspect
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +22,15 @@ import bayeswrap.app.build as build_module
 import bayeswrap.app.cli as cli
 from bayeswrap.app.config import FIELDS, resolve
 from bayeswrap.app.options import option_specs
-from bayeswrap.methods import MAP, METHODS, register_method, tuning_option
+from bayeswrap.methods import (
+    MAP,
+    METHODS,
+    discover_methods,
+    method_options,
+    method_table,
+    register_method,
+    tuning_option,
+)
 
 #: settings the run protocol makes on purpose (documented in bayeswrap.app.build): the reports score every method
 #: by the same S-sample predictive (Laplace's GLM predictive is sampled), and SGLD's burn-in is set in epochs
@@ -134,3 +147,135 @@ def test_a_registered_method_appears_in_wrap_the_cli_and_compare(toy, tmp_path, 
     saved = cli.load_run_config(out / "compare-digits-mlp" / "toy" / "config.yaml")
     assert resolve(None, {"method": "toy", **saved.method_options}).option("toy_scale") == knob["chosen"]
     assert saved.prior_std == prior["chosen"]
+
+
+#: the order methods are listed in (messages, --help, the docs, the main job's table): part of the interface
+LISTING_ORDER = ["map", "vi", "ivon", "mc_dropout", "sgld", "swag", "laplace", "sparse_vd", "kingma_vd", "lbbnn",
+                 "mh", "hmc", "ensemble", "multiswag"]
+
+
+def test_the_package_walk_finds_every_method_in_its_listing_order():
+    assert list(METHODS) == LISTING_ORDER
+    assert [bw.__all__.index(cls.__name__) for cls in METHODS.values()] == sorted(
+        bw.__all__.index(cls.__name__) for cls in METHODS.values())
+    # no hand-kept list of method modules: the package's __init__ names no method module
+    source = (Path(bw.methods.__file__)).read_text()
+    assert "isort: skip" not in source and not any(f"methods.{name}" in source for name in LISTING_ORDER)
+
+
+def test_wraps_docstring_lists_every_registered_method_and_its_options(toy):
+    doc = inspect.getdoc(bw.wrap)
+    for name, cls in METHODS.items():
+        assert f'``"{name}"`` (:class:`~bayeswrap.{cls.__name__}`)' in doc
+        assert f"* {name}: " in doc
+    assert "* toy: ``toy_scale``" in doc and doc.index('"mh"') < doc.index('"toy"')  # no order: listed last
+
+
+def test_register_method_refuses_a_bad_name_or_order():
+    with pytest.raises(ValueError, match=r"name='My Method' is not a method name; accepted: lowercase"):
+        register_method("My Method")
+    for order in (float("nan"), "10", True):
+        with pytest.raises(ValueError, match=r"order=.* must be a finite number"):
+            register_method("toy", order=order)
+
+
+def _plugin_package(root: Path) -> str:
+    """A package with a method in a module, one in a subpackage's module, and modules that register nothing."""
+    package = root / "toy_plugins"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text("SCALE = 2.0\n")
+    (package / "sub" / "__init__.py").write_text("")
+    method = '''
+from bayeswrap.methods.base import register_method
+from bayeswrap.methods.map import MAP
+
+
+@register_method("{name}", order={order})
+class {cls}(MAP):
+    """A MAP variant (a test double)."""
+
+    def __init__(self, model, *, {option}: float = 1.0, **kwargs):
+        self.{option} = {option}
+        super().__init__(model, **kwargs)
+'''
+    (package / "early.py").write_text(method.format(name="toy_early", order=15, cls="ToyEarly", option="early_scale"))
+    (package / "sub" / "late.py").write_text(method.format(name="toy_late", order=1000, cls="ToyLate",
+                                                             option="late_scale"))
+    return package.name
+
+
+def test_discovery_walks_subpackages_and_sorts_by_order(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = _plugin_package(tmp_path)
+    try:
+        discover_methods(name)
+        assert list(METHODS) == ["map", "toy_early", *LISTING_ORDER[1:], "toy_late"]
+        assert method_options("toy_late") == ("late_scale",)
+        assert isinstance(bw.wrap(torch.nn.Linear(2, 2), "toy_early", num_data=4, early_scale=3.0), MAP)
+        assert '``"toy_late"``' in inspect.getdoc(bw.wrap) and '`"toy_early"`' in method_table()
+        discover_methods(name)  # a second walk imports nothing again and changes nothing
+        assert list(METHODS).count("toy_late") == 1
+    finally:
+        METHODS.pop("toy_early", None), METHODS.pop("toy_late", None)
+        for module in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+            del sys.modules[module]
+
+
+def test_a_method_is_one_new_file(tmp_path):
+    """A module dropped into a copy of bayeswrap/methods is a method everywhere: the one file is the whole change."""
+    copy = tmp_path / "src"
+    shutil.copytree(Path(bw.__file__).parent, copy / "bayeswrap", ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "bayeswrap" / "methods" / "toy_method.py").write_text('''"""A toy method."""
+
+from bayeswrap.methods.base import register_method
+from bayeswrap.methods.map import MAP
+
+
+@register_method("toy", order=55)
+class Toy(MAP):
+    """A MAP variant whose prior penalty is scaled (a test double).
+
+    Args:
+        toy_scale: multiplier of the prior penalty (a number > 0).
+    """
+
+    tuning = ("toy_scale", (0.5, 2.0))
+
+    def __init__(self, model, *, toy_scale: float = 1.0, **kwargs):
+        self.toy_scale = float(toy_scale)
+        super().__init__(model, **kwargs)
+
+    def regularizer(self):
+        return self.toy_scale * super().regularizer()
+''')
+    check = '''
+import contextlib, inspect, io, torch
+import bayeswrap as bw
+from bayeswrap.app import cli
+from bayeswrap.app.config import resolve
+from bayeswrap.methods import METHODS, TUNING, method_table
+
+assert list(METHODS)[5:7] == ["toy", "swag"], list(METHODS)
+assert "Toy" in bw.__all__ and bw.Toy is METHODS["toy"]
+assert bw.wrap(torch.nn.Linear(3, 2), "toy", num_data=10, toy_scale=0.5).toy_scale == 0.5
+assert bw.method_options("toy") == ("toy_scale",) and TUNING["toy"] == ("toy_scale", (0.5, 2.0))
+assert '``"toy"`` (:class:`~bayeswrap.Toy`)' in inspect.getdoc(bw.wrap)
+assert '| `"toy"` | `Toy` | A MAP variant whose prior penalty is scaled (a test double). | `toy_scale` |' in method_table()
+assert resolve(None, {"method": "toy", "toy_scale": "0.25"}).option("toy_scale") == 0.25
+out = io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+    cli.make_parser().parse_args(["fit", "--help"])
+assert "--toy-scale" in out.getvalue()
+print("ok")
+'''
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    result = subprocess.run([sys.executable, "-c", check], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_the_readme_method_table_is_rendered_from_the_registry():
+    """README.md holds :func:`method_table` verbatim (print it: ``bw.methods.method_table()``)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    assert method_table() in readme

@@ -18,7 +18,6 @@ Everything else (the functional forward, the loss, the posterior predictive,
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import sys
 import warnings
@@ -44,40 +43,11 @@ from bayeswrap.core.functional import (
 from bayeswrap.core.layers import LRTLayer, find_lrt_layers, lrt_copy
 from bayeswrap.core.likelihoods import make_likelihood
 from bayeswrap.core.priors import GaussianPrior
-
-METHODS: dict[str, type[BayesianModel]] = {}
-
-
-def register_method(name: str):
-    """Class decorator adding a method class to the registry under ``name``."""
-
-    def deco(cls):
-        cls.method = name
-        METHODS[name] = cls
-        return cls
-
-    return deco
-
+from bayeswrap.methods.registry import METHODS, method_option_defaults, register_method  # noqa: F401 (re-exported)
 
 #: the options of :class:`BayesianModel` itself, which every method takes (the rest are a method's own)
 COMMON_OPTIONS = ("num_data", "prior_std", "prior_mean", "bias", "params", "likelihood", "noise_std", "kl_weight",
                   "chunk_size", "output_key", "label_key")
-
-
-def method_option_defaults(method: str) -> dict:
-    """``{option: library default}`` of a registered method's own keyword options (its constructors' along the MRO).
-
-    Raises:
-        KeyError: for an unregistered method.
-    """
-    defaults: dict = {}
-    for klass in METHODS[method].__mro__:
-        if klass is BayesianModel or "__init__" not in vars(klass):
-            continue
-        for p in inspect.signature(klass.__init__).parameters.values():
-            if p.kind is p.KEYWORD_ONLY and p.name not in COMMON_OPTIONS and p.name not in defaults:
-                defaults[p.name] = p.default
-    return defaults
 
 
 class NotFittedError(RuntimeError):

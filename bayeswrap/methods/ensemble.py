@@ -67,6 +67,7 @@ from bayeswrap.methods.base import (
     unwrap_compiled,
 )
 from bayeswrap.methods.map import MAP
+from bayeswrap.methods.swag import SWAG
 
 #: accepted values of ``parallel``
 PARALLEL = ("auto", "vmap", "sequential")
@@ -86,9 +87,10 @@ class _MemberOutputs(nn.Module):
         return torch.stack(outs), kl
 
 
-@register_method("ensemble")
+@register_method("ensemble", order=130)
 class Ensemble(BayesianModel):
-    """M members of one method, trained together and predicting as a mixture (see the module docstring).
+    """M members of one method, trained together with the members vmapped and predicting as a mixture (deep
+    ensembles: Lakshminarayanan et al. 2017).
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` (passed on to every
     member) plus:
@@ -479,7 +481,7 @@ class Ensemble(BayesianModel):
                              f"{self.num_members} {self.member!r} members")
 
 
-@register_method("multiswag")
+@register_method("multiswag", order=140)
 class MultiSWAG(Ensemble):
     """MultiSWAG (Wilson & Izmailov 2020, §4): an :class:`Ensemble` whose members are SWAG models.
 
@@ -488,7 +490,7 @@ class MultiSWAG(Ensemble):
     """
 
     default_member = "swag"
-    recommended = METHODS["swag"].recommended  # SWAG's recipe (SGD with momentum) for every member
+    recommended = SWAG.recommended  # SWAG's recipe (SGD with momentum) for every member
 
 
 def _reinitialise(net: nn.Module, reinit: str | list[str], seed: int) -> None:

@@ -32,9 +32,9 @@ from bayeswrap.methods.base import BayesianModel, check_float, register_method
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-@register_method("ivon")
+@register_method("ivon", order=30)
 class IVON(BayesianModel):
-    """IVON posterior over the Bayesian parameters; train it with ``bw.optim.IVON``.
+    """IVON, variational online Newton at Adam's cost (Shen et al. 2024); train it with ``bw.optim.IVON``.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` (``kl_weight > 0``,
     ``bias="informative"`` only) plus:

@@ -15,9 +15,10 @@ from bayeswrap.core.functional import NamedTensors
 from bayeswrap.methods.base import BayesianModel, register_method
 
 
-@register_method("map")
+@register_method("map", order=10)
 class MAP(BayesianModel):
-    """Maximum a posteriori point estimate; the posterior is a point mass at θ.
+    """Maximum a posteriori point estimate, BayesDLL's "vanilla" (Kim & Hospedales 2023); the posterior is a point
+    mass at θ; ``prior_std=None`` is maximum likelihood.
 
     Takes exactly the arguments of :class:`~bayeswrap.BayesianModel`
     (``prior_std=None`` is accepted here and means no prior).

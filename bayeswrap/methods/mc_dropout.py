@@ -54,9 +54,10 @@ MODES = ("params", "layers")
 DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
-@register_method("mc_dropout")
+@register_method("mc_dropout", order=40)
 class MCDropout(BayesianModel):
-    """Parameter dropout towards θ̄, or the model's own dropout layers kept on in the predictive.
+    """Parameter dropout towards θ̄ (BayesDLL eq. 10), or the model's own dropout layers kept on in the predictive
+    (``mode="layers"``; Gal & Ghahramani 2016).
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
 

@@ -457,9 +457,9 @@ def _nanmin(t: torch.Tensor) -> float:
     return float(t.min()) if t.numel() else math.nan
 
 
-@register_method("mh")
+@register_method("mh", order=110)
 class MetropolisHastings(FullBatchMCMC):
-    """Random-walk Metropolis–Hastings with adaptive proposal scale (see the module docstring).
+    """Full-batch random-walk Metropolis–Hastings with adaptive proposal scale (Roberts, Gelman & Gilks 1997).
 
     Takes the arguments of :class:`FullBatchMCMC` plus:
 
@@ -512,9 +512,10 @@ class MetropolisHastings(FullBatchMCMC):
                 "proposal_scale": log_scale.exp().tolist(), "divergences": [0] * chains}
 
 
-@register_method("hmc")
+@register_method("hmc", order=120)
 class HMC(FullBatchMCMC):
-    """Hamiltonian Monte Carlo with dual-averaging step size and diagonal mass adaptation (module docstring).
+    """Full-batch Hamiltonian Monte Carlo with dual-averaging step size and diagonal mass adaptation, or pyro's NUTS
+    (Neal 2011; Hoffman & Gelman 2014).
 
     Takes the arguments of :class:`FullBatchMCMC` plus:
 

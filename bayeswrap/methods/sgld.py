@@ -55,9 +55,10 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 _BASE_LR, _BASE_NOISE = "sgld_base_lr", "sgld_base_noise_scale"
 
 
-@register_method("sgld")
+@register_method("sgld", order=50)
 class SGLD(MAP):
-    """SGLD sampler over the Bayesian parameters; train it with ``bw.optim.SGLD``.
+    """SGLD sampler over the Bayesian parameters (Welling & Teh 2011; cyclical schedule: Zhang et al. 2020); train
+    it with ``bw.optim.SGLD``.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
 

@@ -171,9 +171,10 @@ class _LogUniformVD(SparsityMixin, BayesianModel):
                     for n, m in mean.items()}
 
 
-@register_method("sparse_vd")
+@register_method("sparse_vd", order=80)
 class SparseVD(_LogUniformVD):
-    """Sparse variational dropout (Molchanov et al. 2017): per-weight α, unbounded, log-uniform prior.
+    """Sparse variational dropout (Molchanov et al. 2017): per-weight α, unbounded, log-uniform prior; prunes
+    log α > 3.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` (``prior_std`` and
     ``prior_mean`` are accepted for a uniform interface and ignored: the
@@ -236,9 +237,10 @@ class SparseVD(_LogUniformVD):
             self.theta[n].data.masked_fill_(m, 0.0)
 
 
-@register_method("kingma_vd")
+@register_method("kingma_vd", order=90)
 class KingmaVD(_LogUniformVD):
-    """Kingma et al.'s variational dropout: multiplicative noise, α ≤ 1, log-uniform prior.
+    """Variational dropout (Kingma, Salimans & Welling 2015): multiplicative noise, α ≤ 1, log-uniform prior; does not
+    sparsify.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` (``prior_std`` and
     ``prior_mean`` are accepted and ignored, as for :class:`SparseVD`) plus:

@@ -78,9 +78,10 @@ COVARIANCES = ("lowrank", "diagonal")
 _BASE_LR = "swag_base_lr"
 
 
-@register_method("swag")
+@register_method("swag", order=60)
 class SWAG(MAP):
-    """SWA-Gaussian over the Bayesian parameters; train it with any optimizer (SGD + momentum in the paper).
+    """SWA-Gaussian over the Bayesian parameters: moments and a rank-K deviation matrix of the SGD trajectory
+    (Maddox et al. 2019); train it with any optimizer (SGD + momentum in the paper).
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
 

@@ -67,9 +67,9 @@ def log_std_scale(num_data: int, kl_weight: float) -> float:
     return math.sqrt(LOG_STD_CURVATURE * num_data / (2.0 * (kl_weight if kl_weight > 0 else 1.0)))
 
 
-@register_method("vi")
+@register_method("vi", order=20)
 class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_deterministic (bayeswrap.methods.sparsity)
-    """Mean-field Gaussian VI over the Bayesian parameters.
+    """Mean-field Gaussian VI over the Bayesian parameters (Bayes-by-backprop, Blundell et al. 2015), analytic KL.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
 

@@ -150,9 +150,10 @@ DEFAULT_GRID = tuple(10.0 ** (k / 2.5) for k in range(-10, 11))  # logspace(-4, 
 PRECISION_RANGE = (1e-36, 1e36)
 
 
-@register_method("laplace")
+@register_method("laplace", order=70)
 class Laplace(MAP):
-    """Laplace approximation around the MAP estimate (diagonal, Kronecker-factored or full), with a GLM predictive.
+    """Laplace approximation around the MAP estimate (diagonal, Kronecker-factored or full), with a GLM predictive
+    (MacKay 1992; Ritter et al. 2018; Immer et al. 2021; Daxberger et al. 2021).
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
 

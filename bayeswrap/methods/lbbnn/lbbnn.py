@@ -83,9 +83,10 @@ from bayeswrap.methods.sparsity import PRUNED_RHO, SparsityMixin
 INCLUDED_LOGIT = 1.0e4
 
 
-@register_method("lbbnn")
+@register_method("lbbnn", order=100)
 class LBBNN(SparsityMixin, BayesianModel):
-    """A latent binary Bayesian neural network over the Bayesian parameters.
+    """A latent binary Bayesian neural network over the Bayesian parameters: spike-and-slab inclusion, optional
+    normalizing flows, median-probability-model predictions and pruning (Skaaret-Lund, Storvik & Hubin 2023).
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` (``prior_std`` is σ_p)
     plus:
