@@ -133,6 +133,7 @@ _scores = ex.accuracy_nll
 
 
 def digits_hmc(x, y, x_test, y_test, dc: dict, seed: int) -> dict:
+    """Full-batch HMC chains from independent initialisations: test scores, acceptance, R-hat and ESS."""
     h = dc["hmc"]
     inits = []
     for c in range(h["chains"]):
@@ -171,6 +172,7 @@ def digits_hmc(x, y, x_test, y_test, dc: dict, seed: int) -> dict:
 
 
 def digits_trained(method: str, x, y, x_test, y_test, dc: dict, seed: int) -> dict:
+    """One mini-batch method (VI, SGLD, MAP) trained and scored; a failure is recorded, not raised."""
     tic = time.perf_counter()
     torch.manual_seed(seed)
     opts = {"thinning": dc["sgld_thinning"], "max_samples": 1000} if method == "sgld" else {}
@@ -193,6 +195,7 @@ def digits_trained(method: str, x, y, x_test, y_test, dc: dict, seed: int) -> di
 
 
 def run_digits(cfg: dict, seed: int, log=print) -> dict:
+    """Part 2: every method of :data:`DIGITS_METHODS` on the digits split."""
     dc = cfg["digits"]
     x, y, (x_test, y_test) = digits_data(dc["train_subset"], seed)
     rows = {}
@@ -212,6 +215,7 @@ def _f(v, fmt=".4f") -> str:
 
 
 def digits_markdown(res: dict, cfg: dict, header: list[str]) -> str:
+    """The Markdown report of part 2, below the ``header`` lines."""
     dc, rows = cfg["digits"], res["rows"]
     h = rows["hmc"]
     labels = {"hmc": "HMC (full batch)", "vi": "mean-field VI (`vi`, the ADVI analogue)", "sgld": "SGLD",
@@ -285,6 +289,7 @@ def digits_markdown(res: dict, cfg: dict, header: list[str]) -> str:
 # =========================================================================== CLI
 
 def parse_args(argv: list[str] | None):
+    """The command line: ``--fast``, ``--out`` and ``--parts``."""
     p = ex.experiment_parser(__doc__.split("\n\n")[0], out_default=ROOT / "figures",
                              fast_help="smoke test: short chains, a digits subset, a few epochs")
     p.add_argument("--parts", default="logistic,digits", help="comma-separated subset of logistic,digits")

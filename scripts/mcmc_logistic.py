@@ -124,6 +124,7 @@ def predictive_on_grid(bnn, points: torch.Tensor, num_samples: int, chunk: int =
 
 
 def run_logistic(cfg: dict, seed: int, log=print) -> dict:
+    """Part 1: simulated data, Newton MAP, MH and HMC chains, the leapfrog sweep and the predictive surfaces."""
     lc = cfg["logistic"]
     x, y = simulate_logistic(lc["n"], lc["true_beta"], seed)
     tic = time.perf_counter()
@@ -176,6 +177,7 @@ def _sweep_row(run: dict, steps: int, jitter: bool) -> dict:
 
 
 def logistic_figure(res: dict, path: Path) -> None:
+    """The 2×2 heatmaps: HMC predictive, its std, MH predictive and the MAP plug-in, with the data."""
     x, y = res["x"].numpy(), res["y"].numpy()
     g1, g2 = (t.numpy() for t in res["grid"])
     shape = g1.shape
@@ -205,6 +207,7 @@ def logistic_figure(res: dict, path: Path) -> None:
 
 
 def logistic_json(res: dict, cfg: dict) -> dict:
+    """The JSON-ready numbers of :func:`run_logistic` (``cfg``: the ``"logistic"`` settings)."""
     n = res["newton"]
     out = {"data": {"n": len(res["y"]), "positives": int(res["y"].sum()), "true_beta": list(cfg["true_beta"])},
            "prior_std": cfg["prior_std"],
@@ -223,6 +226,7 @@ def logistic_json(res: dict, cfg: dict) -> dict:
 
 
 def logistic_markdown(res: dict, data: dict, cfg: dict, header: list[str]) -> str:
+    """The Markdown report of part 1 from :func:`logistic_json`'s ``data``, below the ``header`` lines."""
     lc = cfg["logistic"]
     n, s = data["map_newton"], data["samplers"]
     mh, hmc = s["mh"], s["hmc"]

@@ -395,6 +395,7 @@ def run_experiment(cfg: dict, log=print) -> dict:
 # --------------------------------------------------------------------------- CLI
 
 def parse_args(argv: list[str] | None):
+    """The command line: ``--fast``, ``--out`` and ``--seed``."""
     p = ex.experiment_parser(__doc__.split("\n\n")[0], out_default=ROOT / "figures",
                              fast_help="smoke test: small subsets, a few epochs")
     p.add_argument("--seed", type=int, default=0, help="initialisation, batch order, noise and label permutation")

@@ -48,6 +48,7 @@ def _comp(report: dict) -> str:
 
 
 def table1_md(t1: dict, cfg: dict) -> list[str]:
+    """The Markdown lines of part 1's table: per LeNet, our runs beside the paper's original and sparse VD rows."""
     lines = ["| network | run | test error (%) | training error (%) | compression × | kept weights per layer (%) |",
              "|---|---|---|---|---|---|"]
     for arch in ARCHS:
@@ -89,6 +90,7 @@ def trajectory_rows(trace: list[dict]) -> list[dict]:
 
 
 def discussion(data: dict, cfg: dict) -> list[str]:
+    """The bullets of "What the numbers say", each generated from this run's numbers."""
     t1, rl, th = data["table1"], data["random_labels"], data["thesis"]
     n = data["sizes"]["train"]
     lines = []
@@ -153,6 +155,7 @@ def discussion(data: dict, cfg: dict) -> list[str]:
 
 
 def markdown(data: dict, cfg: dict, *, fast: bool, runtime: float, argv: list[str]) -> str:
+    """The whole Markdown report: the command, the settings, the three parts' tables and the discussion."""
     t1, rl, th = data["table1"], data["random_labels"], data["thesis"]
     sizes = data["sizes"]
     command = " ".join([f"OMP_NUM_THREADS=1 .venv/bin/python scripts/{STEM}.py", *argv])

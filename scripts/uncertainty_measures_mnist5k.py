@@ -249,6 +249,7 @@ def run_model(name: str, cfg: dict, *, seed: int, num_samples: int, fast: bool, 
 
 
 def parse_args(argv: list[str] | None):
+    """The command line: ``--fast``, ``--out``, ``--models``, ``--num-samples``, ``--epochs`` and ``--seed``."""
     p = ex.experiment_parser(__doc__.split("\n\n")[0], out_default=ROOT / "figures",
                              fast_help="smoke test: 2 epochs, K = 20, data subsets")
     p.add_argument("--models", default="mlp,cnn", help="comma-separated subset of mlp,cnn")
