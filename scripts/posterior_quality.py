@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bayeswrap.app import cli  # noqa: E402
+from bayeswrap.app.build import build, eval_loader  # noqa: E402
 from bayeswrap.app.config import resolve  # noqa: E402
 from bayeswrap.core.io import load_checkpoint, write_json, write_text  # noqa: E402
 from bayeswrap.methods import METHODS  # noqa: E402
@@ -88,10 +89,10 @@ def _row(metrics: dict) -> dict:
 def laplace_precision_sweep(run_dir: Path) -> dict:
     """Test error of the Laplace GLM predictive at every prior precision, probit and sampled (S = 20) links."""
     cfg = resolve(str(run_dir / "config.yaml"), {})
-    splits, _, bnn, _, device = cli.build(cfg, for_evaluation=True)
+    splits, _, bnn, _, device = build(cfg, for_evaluation=True)
     bnn.load_state_dict(load_checkpoint(run_dir / "best.pt"))
     bnn.eval()
-    loader = cli._eval_loader(splits.test, cfg)
+    loader = eval_loader(splits.test, cfg)
     errors = {"probit": [], "mc": []}
     for value in PRIOR_PRECISIONS:
         bnn.prior_precision = value

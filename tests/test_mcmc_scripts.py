@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts import mcmc_dissertation, posterior_fidelity
+from scripts import mcmc_dissertation, mcmc_logistic, posterior_fidelity
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -94,7 +94,7 @@ def test_logistic_markdown_has_every_parameter_and_sampler_row(dissertation_run,
     text = (out / "mcmc_logistic.md").read_text()
     data = json.loads((out / "mcmc_logistic.json").read_text())
     rows = _table_rows(text, "| parameter | true |")
-    assert [r[0] for r in rows] == list(dissertation.PARAM_NAMES)
+    assert [r[0] for r in rows] == list(mcmc_logistic.PARAM_NAMES)
     for i, row in enumerate(rows):
         mean, std = (float(v) for v in row[4].split("±"))  # the HMC column
         assert mean == pytest.approx(data["samplers"]["hmc"]["mean"][i], abs=5e-4)
@@ -127,8 +127,8 @@ def test_digits_json_and_markdown_have_every_method(dissertation_run, dissertati
 
 
 def test_newton_raphson_finds_the_map_and_its_hessian(dissertation):
-    x, y = dissertation.simulate_logistic(80, (0.3, -1.0, 2.0), seed=3)
-    res = dissertation.newton_map(x, y, prior_std=1.5)
+    x, y = mcmc_logistic.simulate_logistic(80, (0.3, -1.0, 2.0), seed=3)
+    res = mcmc_logistic.newton_map(x, y, prior_std=1.5)
     xt = torch.cat([torch.ones(len(x), 1, dtype=x.dtype), x], 1)
 
     def neg_log_post(b):
@@ -143,7 +143,7 @@ def test_newton_raphson_finds_the_map_and_its_hessian(dissertation):
     # the same MAP through the wrapped 2-logit model: its potential has zero gradient there
     import bayeswrap as bw
 
-    model = dissertation.Logistic().double()
+    model = mcmc_logistic.Logistic().double()
     with torch.no_grad():
         model.linear.bias.copy_(res["beta"][:1])
         model.linear.weight.copy_(res["beta"][1:][None])

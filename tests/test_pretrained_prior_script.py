@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from scripts import pretrained_prior_digits
+from scripts import pretrained_prior_report as report
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -36,21 +37,21 @@ def fast_run(script, tmp_path_factory):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seconds = time.perf_counter() - tic
-    paths = tuple(out / f"{script.STEM}.{ext}" for ext in ("md", "json", "png"))
+    paths = tuple(out / f"{report.STEM}.{ext}" for ext in ("md", "json", "png"))
     return {"paths": paths, "seconds": seconds, "stdout": proc.stdout}, out
 
 
 def test_fast_mode_writes_md_json_png(script, fast_run):
     res, out = fast_run
     md, js, png = res["paths"]
-    assert {p.name for p in (md, js, png)} == {f"{script.STEM}.{ext}" for ext in ("md", "json", "png")}
+    assert {p.name for p in (md, js, png)} == {f"{report.STEM}.{ext}" for ext in ("md", "json", "png")}
     assert all(p.parent == out and p.exists() for p in (md, js, png))
     assert png.stat().st_size > 10_000
     assert not list(out.glob(".*.tmp"))  # atomic writes leave no temporary files
     text = md.read_text()
     assert "FAST MODE" in text
     data = json.loads(js.read_text())
-    assert text.count(script.TABLE_HEADER) == len(script.FAST["label_counts"]) * len(data["results"])
+    assert text.count(report.TABLE_HEADER) == len(script.FAST["label_counts"]) * len(data["results"])
     for needle in ("10 labels per class", "50 labels per class", "## Prior std, tuned once", "## Discussion",
                    "What differs from BayesDLL", "kept from upstream", "### Posterior spread"):
         assert needle in text, needle
@@ -71,12 +72,12 @@ def test_json_has_every_method_setting_and_label_count(script, fast_run):
     cells = [(sigma, n, method, setting, r) for sigma, by_n in data["results"].items()
              for n, by_method in by_n.items() for method, by_setting in by_method.items()
              for setting, r in by_setting.items()]
-    assert len(cells) == 2 * len(script.FAST["label_counts"]) * len(methods) * len(script.SETTINGS)
+    assert len(cells) == 2 * len(script.FAST["label_counts"]) * len(methods) * len(report.SETTINGS)
     for sigma, by_n in data["results"].items():
         assert set(by_n) == {str(n) for n in script.FAST["label_counts"]}
         for by_method in by_n.values():
             assert list(by_method) == methods
-            assert all(list(by_setting) == list(script.SETTINGS) for by_setting in by_method.values())
+            assert all(list(by_setting) == list(report.SETTINGS) for by_setting in by_method.values())
     for sigma, n, method, setting, r in cells:
         where = (sigma, n, method, setting)
         assert r["failed_seeds"] == 0, (where, r["per_seed"][0].get("message"))
@@ -89,7 +90,7 @@ def test_json_has_every_method_setting_and_label_count(script, fast_run):
             assert 0.0 <= run["error"] <= 1.0 and 0.0 <= run["ece"] <= 1.0, where
             assert math.isfinite(run["nll"]) and run["nll"] >= 0.0, where
             assert run["mean_posterior_std"] >= 0.0 and math.isfinite(run["rms_from_pretrained"])
-        for m in script.METRICS:
+        for m in report.METRICS:
             assert math.isfinite(r[m]["mean"]) and math.isfinite(r[m]["std"]) and r[m]["std"] >= 0, where
             assert r[m]["mean"] == pytest.approx(r["per_seed"][0][m])  # one seed in fast mode
     for sigma, entry in data["prior_std_grid"].items():
@@ -118,12 +119,12 @@ def test_markdown_table_matches_json(script, fast_run):
             assert text.count(title) == 1, title
             rows = [line for line in text.split(title)[1].split("\n## ")[0].splitlines()
                     if line.startswith("| ") and not line.startswith("| method")]
-            expected = [(m, s) for m in data["methods"] for s in script.SETTINGS]
+            expected = [(m, s) for m in data["methods"] for s in report.SETTINGS]
             assert len(rows) == len(expected)
             for row, (method, setting) in zip(rows, expected):
                 cells = [c.strip() for c in row.strip("|").split("|")]
-                assert cells[0] == method and cells[1] == script.SETTING_LABELS[setting]
-                for cell, m in zip(cells[2:5], script.METRICS):
+                assert cells[0] == method and cells[1] == report.SETTING_LABELS[setting]
+                for cell, m in zip(cells[2:5], report.METRICS):
                     mean = float(cell.split("±")[0])
                     assert mean == pytest.approx(by_n[n][method][setting][m]["mean"], abs=5e-4)
 
@@ -162,7 +163,7 @@ def test_settings_start_and_centre_where_they_say(script):
     pretrained = {n: torch.randn_like(p) for n, p in script.build_model().named_parameters()}
     train = torch.utils.data.TensorDataset(torch.rand(20, 1, 28, 28), torch.arange(20) % 10)
     cfg = {**script.FAST, "steps": 1}
-    for setting in script.SETTINGS:
+    for setting in report.SETTINGS:
         bnn, info = script.fine_tune("map", setting, train, pretrained, prior_std=1e6, cfg=cfg, seed=0)
         mean = bnn.prior.mean
         if setting == "init":

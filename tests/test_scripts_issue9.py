@@ -8,6 +8,7 @@ import torch
 
 from bayeswrap.evaluation.uncertainty import gamma_curve
 from scripts import uncertainty_measures_mnist5k
+from scripts import uncertainty_measures_report as report
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def fast_run(tmp_path_factory):
 def test_fast_mode_writes_md_json_png(fast_run):
     script, res, out = fast_run
     md, js, png = res["paths"]
-    assert {md.name, js.name, png.name} == {f"{script.STEM}.{ext}" for ext in ("md", "json", "png")}
+    assert {md.name, js.name, png.name} == {f"{report.STEM}.{ext}" for ext in ("md", "json", "png")}
     assert all(p.parent == out and p.exists() for p in (md, js, png))
     assert png.stat().st_size > 10_000
     text = md.read_text()
@@ -48,7 +49,7 @@ def test_gamma_values_match_gamma_curve_on_saved_uncertainties(fast_run):
         assert 0 < r["test_accuracy"] < 1
         alphas = r["gamma_curves"]["alphas"]
         assert alphas[0] == pytest.approx(0.05) and alphas[-1] == pytest.approx(0.95)
-        for m in script.ALL_MEASURES:
+        for m in report.ALL_MEASURES:
             u = torch.tensor(per[m], dtype=torch.float64)
             assert torch.isfinite(u).all()
             g01 = gamma_curve(u, correct, [0.1]).item()
@@ -88,10 +89,10 @@ def test_markdown_table_matches_json(fast_run):
         assert float(cells[1]) == pytest.approx(r["test_accuracy"], abs=5e-5)
         assert int(cells[2]) == r["settings"]["num_samples"]
         assert float(cells[3]) == r["ga_cutoff"]
-        for cell, m in zip(cells[4:9], script.ALL_MEASURES):
+        for cell, m in zip(cells[4:9], report.ALL_MEASURES):
             assert float(cell) == pytest.approx(r["gamma_at_0.1"][m], abs=5e-4), (name, m)
-        for cell, m in zip(cells[9:12], script.TABLE_MEASURES):
-            assert float(cell) == script.DISSERTATION[name][m]
+        for cell, m in zip(cells[9:12], report.TABLE_MEASURES):
+            assert float(cell) == report.DISSERTATION[name][m]
     assert re.search(r"K = 20", md.read_text())
 
 

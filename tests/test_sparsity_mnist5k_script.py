@@ -13,6 +13,7 @@ import torch
 
 from bayeswrap.core.schedules import KLSchedule
 from scripts import sparsity_mnist5k as script
+from scripts import sparsity_mnist5k_report as report
 
 LENET300_WEIGHTS = 784 * 300 + 300 * 100 + 100 * 10
 LENET5_WEIGHTS = 20 * 25 + 50 * 20 * 25 + 800 * 500 + 500 * 10
@@ -124,7 +125,7 @@ def test_fast_run_random_labels_and_thesis_numbers(fast_run):
         assert run["train_acc"] == run["trace"][-1]["train_acc"]
 
     th = data["thesis"]
-    ref = script.PAPER["thesis"]["sparsity_per_layer"]
+    ref = report.PAPER["thesis"]["sparsity_per_layer"]
     expected = (784 * 300 * ref[0] + 300 * 100 * ref[1] + 100 * 10 * ref[2]) / 100 / LENET300_WEIGHTS
     assert th["thesis_overall_sparsity"] == pytest.approx(expected)
     assert set(th["posterior_mean"]) == {"unpruned", "vd", "random", "random_std", "magnitude"}
@@ -140,5 +141,5 @@ def test_fast_run_random_labels_and_thesis_numbers(fast_run):
         assert row["sparsity"] == pytest.approx(overall)
         for key in ("acc_vd", "acc_random", "acc_magnitude", "acc_unpruned"):
             assert 0.0 <= row[key] <= 1.0 and math.isfinite(row[key])
-    rows = script.trajectory_rows(trace)
+    rows = report.trajectory_rows(trace)
     assert rows[0]["epoch"] == 1 and rows[-1]["epoch"] == cfg["epochs"]["lenet_300_100"]
