@@ -1,4 +1,5 @@
-"""Helpers shared by the experiment scripts that the package does not offer publicly.
+"""Helpers shared by the experiment scripts that the package does not offer publicly (``new_figure`` is re-exported
+from :mod:`bayeswrap.evaluation.plots`).
 
 What the scripts share with the application (parsers, optimizers, seeded subsets and loaders, scores) lives in
 :mod:`bayeswrap.app.experiments`; this module holds the rest.
@@ -11,28 +12,9 @@ from typing import Any
 from torch.utils.data import TensorDataset
 
 from bayeswrap.app import experiments as ex
+from bayeswrap.evaluation.plots import new_figure
 
 __all__ = ["new_figure", "tensor_dataset"]
-
-
-def new_figure(**kwargs: Any):
-    """A bare :class:`matplotlib.figure.Figure` on the Agg canvas: nothing registered with ``pyplot``.
-
-    Local workaround: :mod:`bayeswrap.evaluation.plots` builds its figures this way with a private helper; once
-    the package exports one, the scripts should use it instead.
-
-    Args:
-        **kwargs: passed to ``Figure`` (e.g. ``figsize=(6, 4)``, ``layout="constrained"``).
-
-    Returns:
-        The figure, ready for :func:`bayeswrap.evaluation.plots.save_figure`.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(**kwargs)
-    FigureCanvasAgg(fig)
-    return fig
 
 
 def tensor_dataset(split: Any, limit: int | None = None, seed: int = 0) -> TensorDataset:

@@ -43,9 +43,6 @@ def new_figure(**kwargs: Any):
     return fig
 
 
-#: The former private name, kept while scripts still import it (issue 31 makes them use :func:`new_figure`).
-_new_figure = new_figure
-
 
 def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 150) -> str:
     """Writes ``fig`` to ``path`` atomically (temp file in the same folder, then ``os.replace``).
