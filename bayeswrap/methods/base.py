@@ -509,7 +509,7 @@ class BayesianModel(nn.Module, ABC):
             ValueError: on a ``model`` the method does not accept.
             TypeError: on an option the method does not take, naming it and the accepted ones.
         """
-        refuse_options(self.method, options, ("model",))
+        refuse_options(self, options, ("model",))
         if model != "full":
             raise ValueError(f"model={model!r} is not accepted by method {self.method!r}; accepted: 'full' (the "
                              "median probability model needs inclusion variables: method 'lbbnn')")

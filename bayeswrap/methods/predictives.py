@@ -275,14 +275,15 @@ def given_predictive(predictive, model: str, options: dict) -> Predictive:
     return predictive
 
 
-def refuse_options(method: str, options: dict, accepted: tuple[str, ...]) -> None:
-    """For ``default_predictive``: a TypeError naming the predictive options (if any) that ``method`` does not take.
+def refuse_options(bnn: BayesianModel, options: dict, accepted: tuple[str, ...]) -> None:
+    """For ``default_predictive``: a TypeError naming the predictive options (if any) that ``bnn``'s method does not
+    take.
 
     Raises:
         TypeError: if ``options`` is not empty, naming them and listing ``accepted``.
     """
     if options:
-        raise TypeError(f"predictive option(s) {sorted(options)} are not accepted by method {method!r}; "
+        raise TypeError(f"predictive option(s) {sorted(options)} are not accepted by method {bnn.method!r}; "
                         f"accepted: {', '.join(accepted)} (or predictive=)")
 
 
