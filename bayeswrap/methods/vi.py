@@ -56,6 +56,7 @@ from bayeswrap.core.functional import NamedTensors
 from bayeswrap.core.fused import mean_field_sample, standard_normal_like
 from bayeswrap.core.layers import lrt_names, lrt_theta
 from bayeswrap.methods.base import BayesianModel, check_int, check_scale, register_method
+from bayeswrap.methods.lrt import LocalReparamMixin
 from bayeswrap.methods.sparsity import SparsityMixin
 
 #: c, the curvature of the per-datum ELBO in ρ at the mean-field optimum (see the module docstring)
@@ -68,7 +69,7 @@ def log_std_scale(num_data: int, kl_weight: float) -> float:
 
 
 @register_method("vi", order=20)
-class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_deterministic (bayeswrap.methods.sparsity)
+class VI(SparsityMixin, LocalReparamMixin, BayesianModel):  # + sparsity/prune/prune_random/to_deterministic (bayeswrap.methods.sparsity)
     """Mean-field Gaussian VI over the Bayesian parameters (Bayes-by-backprop, Blundell et al. 2015), analytic KL.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
@@ -141,11 +142,10 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
         expand = {n: t.expand(num_samples, *t.shape) for n, t in mean.items() if n in self._lrt_set}
         return lrt_theta(self._lrt, expand, {n: t.expand(num_samples, *t.shape) for n, t in var.items()}, sampled)
 
-    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    def _draw(self, num_samples: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
         """S draws of θ; under local reparameterisation, the LRT layers' moments instead of their weights."""
         if not self.local_reparam:
-            return super().sample(num_samples, generator)
-        num_samples = check_int("num_samples", num_samples, minimum=1)
+            return super()._draw(num_samples, generator)
         return self._lrt_theta(num_samples, generator)
 
     def _train_sample(self):
