@@ -211,13 +211,12 @@ class MCDropout(BayesianModel):
         return {n: (self.drop_prob[n] * (1 - self.drop_prob[n])) ** 0.5 * (m - self.prior.mean[n]).abs()
                 for n, m in self.theta.items()}
 
-    def sample(self, num_samples, generator=None):
+    def _draw(self, num_samples, generator):
         """Draws S dropout samples θ_s = z_s ⊙ m + (1 − z_s) ⊙ θ̄, ``{name: (S, *shape)}``.
 
         With ``mode="layers"`` the parameters are not dropped: M repeated S times (a view);
         the masks are drawn on the units by :meth:`~bayeswrap.BayesianModel.sample_logits`.
         """
-        num_samples = check_int("num_samples", num_samples, minimum=1)
         return self._masked((num_samples,), generator)
 
     def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None, sample=None) -> torch.Tensor:

@@ -369,7 +369,7 @@ class SGLD(MAP):
                                  "before the store existed); set bnn.predictive = 'gaussian' to use the moments")
         return self.sample_store
 
-    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    def _draw(self, num_samples: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
         """S posterior samples, ``{name: (S, *param_shape)}`` on the parameters' device and dtype.
 
         ``predictive="ensemble"``: stored iterates, deterministic (``generator``
@@ -382,11 +382,9 @@ class SGLD(MAP):
         Raises:
             NotFittedError: if no iterate has been kept yet (or, for the
                 ensemble, none is in the store).
-            ValueError: if ``num_samples`` is not an integer >= 1.
         """
         if self.predictive == "gaussian":
-            return super().sample(num_samples, generator)
-        num_samples = check_int("num_samples", num_samples, minimum=1)
+            return super()._draw(num_samples, generator)
         device, dtype = self._compute_placement()
         return self._ensemble_store().select(num_samples, device=device, dtype=dtype)
 

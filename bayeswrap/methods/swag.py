@@ -388,7 +388,7 @@ class SWAG(MAP):
                 var[n] = var[n] + d.square().sum(0) / (k - 1)
         return {n: (v * self.scale).sqrt_() for n, v in var.items()}
 
-    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    def _draw(self, num_samples: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
         """θ̃_s = θ_SWA + √scale · (Σ_diag^½ z₁ + D̂ z₂ / √(K − 1)), s = 1..S (§3.4; see the module docstring).
 
         z₂ ~ N(0, I_K) is drawn first, shape (S, K) and shared by all parameters; then
@@ -403,10 +403,8 @@ class SWAG(MAP):
             ``{name: tensor of shape (S, *param_shape)}``.
 
         Raises:
-            ValueError: if ``num_samples`` is not an integer >= 1.
             NotFittedError: if no iterate has been collected yet.
         """
-        num_samples = check_int("num_samples", num_samples, minimum=1)
         mean, var = self.posterior_mean(), self.diagonal_variance()
         ref = next(iter(mean.values()))
         root, k = math.sqrt(self.scale), self.rank()
