@@ -47,9 +47,10 @@ from bayeswrap.core.batches import check_inputs_finite, take, unsqueeze
 from bayeswrap.core.checks import check_choice
 from bayeswrap.core.functional import outside_inference_mode, vmap_over_examples
 from bayeswrap.core.likelihoods import at_least_float32
-from bayeswrap.methods.base import BayesianModel, check_int
+from bayeswrap.methods.base import _refuse_options
 from bayeswrap.methods.laplace.fitting import basis_vectors
 from bayeswrap.methods.laplace.structures import FullPosterior
+from bayeswrap.methods.predictives import Predictive
 
 PRED_TYPES = ("glm", "nn")
 LINK_APPROXES = ("mc", "probit")
@@ -174,7 +175,7 @@ class LinearisedPredictive:
         f_mu = torch.cat([c[0] for c in chunks]).detach()
         f_var = torch.cat([c[1] for c in chunks]).detach()
         return f_mu.reshape(-1, *shape), f_var.reshape(-1, *shape)
-    def _glm_sample_logits(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
+    def _linearised_outputs(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
         """f(x; θ*) + J(x) δ_s for ``num_samples`` draws δ_s = θ_s − θ*, with forward-mode AD.
 
         ``scaled_dot_product_attention`` runs its math kernel here: the fused
@@ -215,101 +216,98 @@ class LinearisedPredictive:
                 outs.append(f + tangents)
         return torch.cat(outs, 0)
 
-    @outside_inference_mode
-    def sample_logits(self, x, num_samples: int, generator: torch.Generator | None = None, *,
-                      pred_type: str | None = None) -> torch.Tensor:
-        """Model outputs under S posterior samples, linearised (``"glm"``) or not (``"nn"``).
+    def default_predictive(self, model: str = "full", *, pred_type: str | None = None,
+                           link_approx: str | None = None, **options) -> Predictive:
+        """The predictive of :meth:`predict` and :meth:`sample_logits` for the legacy options.
 
-        ``"glm"``: f(x; θ*) + J(x)(θ_s − θ*), one ``torch.func.jvp`` per sample,
-        ``chunk_size`` samples per ``vmap`` (eval mode). ``"nn"``: f(x; θ_s), see
-        :meth:`BayesianModel.sample_logits`. The same generator state gives the
-        same θ_s for both.
+        ``pred_type="glm"`` gives :class:`GLM` with ``link_approx``; ``"nn"`` gives
+        :class:`~bayeswrap.methods.predictives.Sampled` (sampled weights, link ``"mc"`` only).
+        ``None`` takes the model's :attr:`pred_type` / :attr:`link_approx` (the constructor's,
+        ``"mc"`` for ``"nn"``). Nothing on the model changes: ``bnn.predict(x, S, pred_type="nn")``
+        is ``bnn.predict(x, S, predictive=Sampled())``, ``bnn.predict(x, S, link_approx="mc")``
+        is ``bnn.predict(x, S, predictive=GLM("mc"))``.
 
         Args:
-            x: model input with batch size B.
-            num_samples: S ≥ 1.
-            generator: optional ``torch.Generator``.
+            model: ``"full"`` only (Laplace has no inclusion variables).
             pred_type: ``"glm"`` or ``"nn"``; ``None`` uses :attr:`pred_type`.
+            link_approx: ``"probit"`` or ``"mc"``; ``None`` uses :attr:`link_approx` (``"mc"`` for ``"nn"``).
+            **options: none accepted.
 
         Returns:
-            Tensor of shape (S, B, K) (or (S, B, D) for regression).
+            A :class:`GLM` or a :class:`~bayeswrap.methods.predictives.Sampled`.
 
         Raises:
-            NotFittedError: before :meth:`fit_curvature`.
-            ValueError: on a ``num_samples`` that is not an integer >= 1, an unknown
-                ``pred_type``, or a floating input that contains NaN or inf.
+            ValueError: on a ``model`` other than ``"full"``, an unknown ``pred_type`` or
+                ``link_approx``, or ``"probit"`` with ``"nn"``.
+            TypeError: on any other option, naming it and the accepted ones.
         """
-        pred_type, _ = self._resolve(pred_type, None)
-        if pred_type == "nn":
-            return super().sample_logits(x, num_samples, generator=generator)
-        num_samples = check_int("num_samples", num_samples, minimum=1)
-        self._check_ready()
-        check_inputs_finite(x)
-        with self._evaluating(), torch.no_grad():
-            return self._glm_sample_logits(x, num_samples, generator)
+        if options:
+            _refuse_options(self, options, ("model", "pred_type", "link_approx"))
+        sampled = super().default_predictive(model=model)  # checks model
+        pred_type, link_approx = self._resolve(pred_type, link_approx)
+        return sampled if pred_type == "nn" else GLM(link_approx)
+
+
+class GLM(Predictive):
+    """The linearised (GLM) predictive of a fitted :class:`~bayeswrap.Laplace` (Immer et al. 2021).
+
+    * ``num_samples=0``: the MAP, p(y | x, θ*) (for either link).
+    * ``link="probit"``, categorical: the deterministic softmax(f_k / sqrt(1 + π/8 · var_k)) with
+      var_k the functional variance (MacKay 1992; laplace-torch's default); any S ≥ 1 gives the
+      same result.
+    * ``link="probit"``, Gaussian: the exact linearised predictive, mean f(x; θ*) and variance
+      diag(J P⁻¹ Jᵀ) + noise_std².
+    * ``link="mc"``: the likelihood's average over S linearised samples, i.e. :meth:`outputs` for the
+      same generator state (softmax averaged; Gaussian: sample mean, sample variance + noise_std²).
+
+    :meth:`outputs` are always the S linearised samples f(x; θ*) + J(x)(θ_s − θ*), one
+    ``torch.func.jvp`` per sample, ``chunk_size`` samples per ``vmap``; the same generator state gives the
+    same θ_s as :meth:`~bayeswrap.BayesianModel.sample`. Both are evaluated in eval mode (the network
+    :meth:`~bayeswrap.Laplace.fit_curvature` linearised) and outside ``torch.inference_mode`` (autograd
+    is needed). With the probit link, :func:`~bayeswrap.predictive.predict_loader` is not the average of
+    :func:`~bayeswrap.predictive.sample_probs_loader` (which samples); with ``"mc"`` it is.
+
+    Args:
+        link: ``"probit"`` (default) or ``"mc"``.
+
+    Raises:
+        ValueError: on an unknown ``link``; when used, on a categorical model whose outputs are not
+            logits of shape (B, K), K >= 2.
+        NotImplementedError: ``"mc"`` on a model with an operation that has no forward-mode derivative.
+    """
+
+    def __init__(self, link: str = "probit"):
+        self.link = check_choice("link", link, LINK_APPROXES)
+
+    @outside_inference_mode
+    def outputs(self, bnn, x, num_samples, generator):
+        _check_laplace(bnn)
+        with bnn._evaluating(), torch.no_grad():
+            return bnn._linearised_outputs(x, num_samples, generator)
 
     @outside_inference_mode
     @torch.no_grad()
-    def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None, *,
-                pred_type: str | None = None, link_approx: str | None = None):
-        """Posterior predictive p(y | x, D), linearised (``"glm"``) or sampled (``"nn"``).
+    def predict(self, bnn, x, num_samples, generator):
+        _check_laplace(bnn)
+        if num_samples == 0 or self.link == "mc":
+            return super().predict(bnn, x, num_samples, generator)
+        f_mu, f_var = bnn._functional_moments(x)
+        bnn.likelihood.check_outputs(f_mu)
+        if bnn.likelihood.name == "categorical":
+            kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8.0 * f_var)
+            return at_least_float32(kappa * f_mu).softmax(-1)
+        return f_mu, f_var + bnn.likelihood.noise_std**2
 
-        * ``num_samples=0``: the MAP, p(y | x, θ*) (for every pred_type and link).
-        * ``"glm"`` with ``"probit"`` (the default link), categorical: the
-          deterministic softmax(f_k / sqrt(1 + π/8 · var_k)) with var_k the
-          functional variance (MacKay 1992; laplace-torch's default); any S ≥ 1
-          gives the same result.
-        * ``"glm"`` with ``"probit"``, Gaussian: the exact linearised predictive,
-          mean f(x; θ*) and variance diag(J diag(v) Jᵀ) + noise_std².
-        * ``"glm"`` with ``"mc"``: the likelihood's average over S linearised
-          samples, i.e. ``sample_logits(x, S)`` for the same generator state
-          (softmax averaged; Gaussian: sample mean, sample variance + noise_std²).
-        * ``"nn"``: (1/S) Σ_s p(y | x, θ_s), see :meth:`BayesianModel.predict`
-          (link ``"mc"`` only).
+    def __repr__(self) -> str:
+        return f"GLM(link={self.link!r})"
 
-        The GLM predictive is evaluated in eval mode (the network that
-        :meth:`fit_curvature` linearised). With the probit link,
-        :func:`~bayeswrap.predictive.predict_loader` is not the average of
-        :func:`~bayeswrap.predictive.sample_probs_loader` (which samples); with
-        ``link_approx="mc"`` it is. Probit costs K vector-Jacobian products per
-        example, Monte Carlo S jvps per batch.
 
-        Args:
-            x: model input with batch size B.
-            num_samples: S ≥ 0.
-            generator: optional ``torch.Generator``.
-            pred_type: ``"glm"`` or ``"nn"``; ``None`` uses :attr:`pred_type`.
-            link_approx: ``"probit"`` or ``"mc"``; ``None`` uses :attr:`link_approx`
-                (``"mc"`` for ``"nn"``).
-
-        Returns:
-            Categorical: probabilities (B, K) (float32, or float64 for a float64
-            model). Gaussian: ``(mean, variance)``, each (B, D).
-
-        Raises:
-            NotFittedError: before :meth:`fit_curvature`.
-            ValueError: on a ``num_samples`` that is not an integer >= 0, an unknown
-                ``pred_type`` or ``link_approx``, ``"probit"`` with ``"nn"``, a
-                floating input that contains NaN or inf, or a categorical model
-                whose outputs are not logits of shape (B, K), K >= 2.
-        """
-        pred_type, link_approx = self._resolve(pred_type, link_approx)
-        num_samples = check_int("num_samples", num_samples, minimum=0)
-        self._check_ready()
-        check_inputs_finite(x)
-        if num_samples == 0:
-            return self._predictive(self.forward_with(self.posterior_mean(), x).unsqueeze(0))
-        if pred_type == "nn":
-            return self._predictive(BayesianModel._sample_logits(self, x, num_samples, generator))
-        if link_approx == "probit":
-            f_mu, f_var = self._functional_moments(x)
-            self.likelihood.check_outputs(f_mu)
-            if self.likelihood.name == "categorical":
-                kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8.0 * f_var)
-                return at_least_float32(kappa * f_mu).softmax(-1)
-            return f_mu, f_var + self.likelihood.noise_std**2
-        with self._evaluating():
-            return self._predictive(self._glm_sample_logits(x, num_samples, generator))
+def _check_laplace(bnn) -> None:
+    """A TypeError unless ``bnn`` is a Laplace model (the only one with a linearisation to evaluate)."""
+    if not isinstance(bnn, LinearisedPredictive):
+        raise TypeError(f"predictive=GLM(...) is the linearised predictive of method 'laplace', not of method "
+                        f"{getattr(bnn, 'method', type(bnn).__name__)!r}; accepted: a Laplace model (other methods: "
+                        "Sampled() or PosteriorMean())")
 
 
 def _raise_if_no_forward_ad(err: Exception) -> None:

@@ -94,8 +94,10 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
         curvature_samples: labels sampled per example for ``curvature="fisher"``
             (the number of Monte Carlo samples of the GGN); integer ≥ 1.
         pred_type: default predictive of :meth:`predict` and
-            :meth:`sample_logits`: ``"glm"`` (linearised) or ``"nn"`` (sampled
-            weights). Calls may override it.
+            :meth:`sample_logits`: ``"glm"`` (linearised,
+            :class:`~bayeswrap.methods.laplace.glm.GLM`) or ``"nn"`` (sampled
+            weights, :class:`~bayeswrap.methods.predictives.Sampled`). Calls may
+            override it (``pred_type=``, or ``predictive=``; see :meth:`default_predictive`).
         link_approx: default link of the ``"glm"`` :meth:`predict`:
             ``"probit"`` (deterministic; exact for the Gaussian likelihood) or
             ``"mc"`` (linearised samples). Calls may override it.
@@ -360,23 +362,14 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
             raise NotFittedError(self._not_ready_message())
         return {n: v.sqrt() for n, v in self.posterior_var.items()}
 
-    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """Draws θ_s ~ N(θ*, P^{-1}) with the posterior's structure (diagonal, full or Kron).
+    def _draw(self, num_samples: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+        """θ_s ~ N(θ*, P⁻¹) with the posterior's structure, ``{name: (S, *param_shape)}``.
 
-        Args:
-            num_samples: S ≥ 1.
-            generator: optional ``torch.Generator``.
-
-        Returns:
-            ``{name: tensor of shape (S, *param_shape)}``.
-
-        Raises:
-            ValueError: if ``num_samples`` is not an integer >= 1.
-            NotFittedError: before :meth:`fit_curvature`.
+        Diagonal: the base class's N(θ*, diag(v)); full or Kron: θ* + P^{-1/2} ε
+        (:meth:`~bayeswrap.methods.laplace.structures.FullPosterior.sample_deltas`).
         """
         if self._structure is None:
-            return super().sample(num_samples, generator)
-        num_samples = check_int("num_samples", num_samples, minimum=1)
+            return super()._draw(num_samples, generator)
         deltas = self._sample_deltas(num_samples, generator)
         return {n: t.detach() + deltas[n] for n, t in self.theta.items()}
 

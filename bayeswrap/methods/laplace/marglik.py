@@ -7,7 +7,8 @@ The Laplace approximation of the marginal likelihood (MacKay 1992; Immer et al. 
 over the eigenvalues λ_i of the curvature H (:meth:`Laplace.log_marginal_likelihood`
 has the structured and layerwise forms). :meth:`Laplace.optimize_prior_precision`
 maximises it by Newton's method in log δ (``"marglik"``), or picks the δ of a grid with the lowest
-validation NLL of the predictive (``"val"``).
+validation NLL of the predictive (``"val"``, :func:`validation_search`: a search that takes a predictive
+object and leaves the model as it was, also used by ``compare`` to bracket its post hoc grid).
 
 Learned noise (``likelihood="gaussian", noise_std="learn"``): the GGN of the Gaussian
 likelihood is Jᵀ J / σ², so the curvature fitted at σ₀ scales by σ₀²/σ², and
@@ -25,6 +26,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -32,9 +34,10 @@ import torch
 
 from bayeswrap.core.checks import SCALE_RANGE, check_choice, check_float, check_int, check_scale
 from bayeswrap.core.functional import outside_inference_mode
-from bayeswrap.evaluation.tuning import select_by_val_nll
+from bayeswrap.evaluation.tuning import select_by_val_nll, tune
 from bayeswrap.methods.base import NotFittedError
 from bayeswrap.methods.laplace.structures import FullPosterior
+from bayeswrap.methods.predictives import Predictive
 from bayeswrap.predictive import evaluate, model_device
 
 TUNING_METHODS = ("marglik", "val")
@@ -216,9 +219,12 @@ class PriorPrecisionSearch:
           training log-likelihood are then moved to the new σ (the GGN scales
           by 1/σ²), and :attr:`noise_std` reports it.
         * ``"val"``: the value of ``grid`` with the lowest validation NLL of
-          :meth:`predict` (with ``pred_type``/``link_approx``, ``num_samples``
-          samples and a generator re-seeded with ``seed`` for every grid value,
-          so that all values see the same noise); the first one on ties. Scalar only.
+          :meth:`predict` (with the predictive ``pred_type``/``link_approx`` choose,
+          see :meth:`default_predictive`, ``num_samples`` samples and a generator
+          re-seeded with ``seed`` for every grid value, so that all values see the
+          same noise); the first one on ties. Scalar only. The search is
+          :func:`validation_search`, which leaves the model as it was; this method
+          then sets the chosen δ and :attr:`val_search`.
 
         Only the posterior changes (``posterior_var``, the predictive); θ* and
         the training prior stay.
@@ -270,10 +276,11 @@ class PriorPrecisionSearch:
                                  "over one value); accepted: 'scalar', or method='marglik' for 'layerwise'")
             if val_loader is None:
                 raise ValueError("method='val' needs val_loader, an iterable of (inputs, targets) batches")
-            num_samples = check_int("num_samples", num_samples, minimum=1)
-            seed = check_int("seed", seed)
-            self.prior_precision = self._grid_search(val_loader, _check_grid(grid), pred_type, link_approx,
-                                                     num_samples, seed)
+            predictive = self.default_predictive(pred_type=pred_type, link_approx=link_approx)
+            record = validation_search(self, val_loader, grid, predictive=predictive, num_samples=num_samples,
+                                       seed=seed)
+            self.prior_precision = record["chosen"]
+            self.val_search = {"grid": record["grid"], "nll": record["val_nll"]}
         return self.prior_precision
 
     def _maximise_marglik(self) -> float:
@@ -367,33 +374,87 @@ class PriorPrecisionSearch:
         delta[rows] = t.exp()
         return delta
 
-    def _grid_search(self, val_loader, grid: list[float], pred_type, link_approx, num_samples: int,
-                     seed: int) -> float:
 
-        pred_type, link_approx = self._resolve(pred_type, link_approx)
-        device = model_device(self)
-        start, defaults = self.prior_precision, (self.pred_type, self.link_approx)
-        self.pred_type, self.link_approx = pred_type, link_approx  # what evaluate's predict calls use
-        nlls = []
+@outside_inference_mode
+def validation_search(bnn, val_loader, grid=None, *, predictive: Predictive | None = None, num_samples: int = 100,
+                      seed: int = 0, bounds: tuple[float, float] | None = None) -> dict:
+    """The validation NLL of a predictive at each prior precision δ of a grid; the model is left as it was.
+
+    Each δ is scored by :func:`~bayeswrap.predictive.evaluate`: the mean NLL over ``val_loader`` of
+    ``bnn.predict(x, num_samples, generator, predictive=predictive)``, with a generator on the model's
+    device re-seeded with ``seed`` for every δ, so that all values see the same noise. δ is set on ``bnn``
+    while a value is scored; afterwards (also after an error) the prior precision and the posterior
+    variances are put back exactly as they were, and nothing else (``pred_type``, ``link_approx``,
+    ``val_search``) is touched. :meth:`Laplace.optimize_prior_precision` with ``"val"`` calls this and then
+    sets the chosen δ; ``compare`` calls it with ``bounds`` to bracket its post hoc grid.
+
+    Args:
+        bnn: a :class:`~bayeswrap.Laplace` with a fitted curvature.
+        val_loader: iterable of ``(inputs, targets)`` batches (iterated once per δ).
+        grid: positive prior precisions (a sequence or a tensor); default :data:`DEFAULT_GRID`,
+            logspace(-4, 4, 21).
+        predictive: the :class:`~bayeswrap.methods.predictives.Predictive` scored, e.g. ``GLM("probit")``,
+            ``GLM("mc")`` or ``Sampled()``; ``None``: ``bnn.default_predictive()`` (the constructor's
+            ``pred_type`` and ``link_approx``).
+        num_samples: S ≥ 1, the draws of a sampled predictive.
+        seed: seed of the generator, re-seeded for every δ.
+        bounds: ``None`` scores exactly ``grid`` and chooses its value with the lowest NLL (the first one on
+            ties, :func:`~bayeswrap.evaluation.tuning.select_by_val_nll`). ``(low, high)`` brackets the
+            optimum as ``compare`` does: :func:`~bayeswrap.evaluation.tuning.tune` extends the grid past an
+            edge that wins, within the bounds.
+
+    Returns:
+        ``{"grid": [...], "val_nll": [...], "chosen": δ, "chosen_index": i}``: the scored values in the
+        order given and their NLLs (non-finite ones as ``inf``). With ``bounds``, the record of
+        :func:`~bayeswrap.evaluation.tuning.tune` (the same keys, the grid sorted ascending with its
+        extensions, plus ``"extensions"``, ``"reused"``, ``"bound_hit"`` and ``"bounds"``).
+
+    Raises:
+        NotFittedError: before :meth:`Laplace.fit_curvature`.
+        TypeError: if ``bnn`` is not a Laplace model, or ``predictive`` is not a Predictive.
+        ValueError: on an empty, non-positive or non-finite grid value, ``num_samples`` < 1, a ``seed``
+            that is not an integer, an empty ``val_loader``, or when every δ gives a non-finite NLL.
+    """
+    if not isinstance(bnn, PriorPrecisionSearch):
+        raise TypeError(f"validation_search searches the prior precision of a Laplace model; got "
+                        f"{getattr(bnn, 'method', type(bnn).__name__)!r}; accepted: a model of method 'laplace'")
+    bnn._check_ready()
+    grid = _check_grid(grid)
+    num_samples = check_int("num_samples", num_samples, minimum=1)  # S = 0 would score the MAP at every δ
+    seed = check_int("seed", seed)
+    device = model_device(bnn)
+
+    def val_nll_of(delta: float) -> float:
+        bnn.prior_precision = delta
+        generator = torch.Generator(device=device).manual_seed(seed)
         try:
-            for delta in grid:
-                self.prior_precision = delta
-                generator = torch.Generator(device=device).manual_seed(seed)
-                try:
-                    nll = evaluate(self, val_loader, num_samples, generator=generator)["nll"]
-                except ValueError as err:
-                    if "yielded no batches" in str(err):
-                        raise ValueError("val_loader yielded no batches") from None
-                    raise
-                nlls.append(nll if math.isfinite(nll) else math.inf)
-        except BaseException:
-            self.prior_precision = start
+            nll = evaluate(bnn, val_loader, num_samples, generator=generator, predictive=predictive)["nll"]
+        except ValueError as err:
+            if "yielded no batches" in str(err):
+                raise ValueError("val_loader yielded no batches") from None
             raise
-        finally:
-            self.pred_type, self.link_approx = defaults
-        self.val_search = {"grid": list(grid), "nll": nlls}
-        return grid[select_by_val_nll(grid, nlls)]
+        return nll if math.isfinite(nll) else math.inf
 
+    with _posterior_kept(bnn):
+        if bounds is not None:
+            return tune(grid, val_nll_of, bounds=bounds)
+        nlls = [val_nll_of(delta) for delta in grid]
+    index = select_by_val_nll(grid, nlls)
+    return {"grid": grid, "val_nll": nlls, "chosen": grid[index], "chosen_index": index}
+
+
+@contextlib.contextmanager
+def _posterior_kept(bnn):
+    """Puts δ and the posterior variances back as they were on exit (a search sets δ while it scores)."""
+    delta = bnn._prior_precision.clone()
+    var = {n: v.clone() for n, v in bnn.posterior_var.items()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            bnn._prior_precision.copy_(delta)
+            for n, v in var.items():
+                bnn.posterior_var[n] = v
 
 
 def _newton_marglik(h: torch.Tensor, sq: float, start: float, what: str) -> float:
