@@ -56,6 +56,7 @@ from bayeswrap.core.functional import NamedTensors
 from bayeswrap.core.samples import SampleStore, spread_indices
 from bayeswrap.evaluation import convergence as diag
 from bayeswrap.methods.base import BayesianModel, NotFittedError, register_method
+from bayeswrap.methods.predictives import forward_many
 
 #: the most Bayesian parameters a full-batch sampler accepts by default (larger models: use "sgld")
 MAX_PARAMETERS = 100_000
@@ -188,7 +189,7 @@ class FullBatchMCMC(BayesianModel):
         outs = []
         for i in range(0, num_samples, self.chunk_size):
             part = idx[i:i + self.chunk_size]
-            outs.append(self._forward_many({n: t.index_select(0, part.to(t.device)) for n, t in pooled.items()}, x))
+            outs.append(forward_many(self, {n: t.index_select(0, part.to(t.device)) for n, t in pooled.items()}, x))
         return torch.cat(outs, 0)
 
     def get_extra_state(self):

@@ -47,10 +47,9 @@ from bayeswrap.core.batches import check_inputs_finite, take, unsqueeze
 from bayeswrap.core.checks import check_choice
 from bayeswrap.core.functional import outside_inference_mode, vmap_over_examples
 from bayeswrap.core.likelihoods import at_least_float32
-from bayeswrap.methods.base import _refuse_options
 from bayeswrap.methods.laplace.fitting import basis_vectors
 from bayeswrap.methods.laplace.structures import FullPosterior
-from bayeswrap.methods.predictives import Predictive
+from bayeswrap.methods.predictives import Predictive, refuse_options
 
 PRED_TYPES = ("glm", "nn")
 LINK_APPROXES = ("mc", "probit")
@@ -241,8 +240,7 @@ class LinearisedPredictive:
                 ``link_approx``, or ``"probit"`` with ``"nn"``.
             TypeError: on any other option, naming it and the accepted ones.
         """
-        if options:
-            _refuse_options(self, options, ("model", "pred_type", "link_approx"))
+        refuse_options(self.method, options, ("model", "pred_type", "link_approx"))
         sampled = super().default_predictive(model=model)  # checks model
         pred_type, link_approx = self._resolve(pred_type, link_approx)
         return sampled if pred_type == "nn" else GLM(link_approx)
