@@ -19,6 +19,7 @@ from bayeswrap.evaluation import calibration, regression
 
 if TYPE_CHECKING:  # a type only: any object with the BayesianModel.predict interface works
     from bayeswrap.methods.base import BayesianModel
+    from bayeswrap.methods.predictives import Predictive
 
 
 def model_device(bnn: BayesianModel) -> torch.device:
@@ -32,7 +33,7 @@ def model_device(bnn: BayesianModel) -> torch.device:
 
 @torch.no_grad()
 def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generator: torch.Generator | None = None,
-                   allow_point_estimate: bool = False):
+                   allow_point_estimate: bool = False, predictive: Predictive | None = None):
     """Posterior predictive for every example of a loader.
 
     Args:
@@ -46,6 +47,8 @@ def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generato
             its curvature, SGLD before its first kept sample), predict with the
             current training iterate instead of raising. Used for validation
             during training.
+        predictive: optional :class:`~bayeswrap.methods.predictives.Predictive` handed to every
+            :meth:`BayesianModel.predict` call (default: the model's :meth:`~BayesianModel.default_predictive`).
 
     Returns:
         ``(predictive, targets)``: for a categorical likelihood ``probs`` (N, K)
@@ -61,12 +64,13 @@ def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generato
     """
     num_samples = check_int("num_samples", num_samples, minimum=0)
     device = model_device(bnn)
+    chosen = {} if predictive is None else {"predictive": predictive}
     preds, targets = [], []
     for index, batch in enumerate(loader):
         x, y = batch_pair(batch, f"the loader's batch {index}", bnn.label_key)
         x = to_device(x, device)
         if bnn.is_ready() or not allow_point_estimate:
-            p = bnn.predict(x, num_samples=num_samples, generator=generator)
+            p = bnn.predict(x, num_samples=num_samples, generator=generator, **chosen)
         else:
             check_inputs_finite(x)
             p = bnn._point_predictive(x)

@@ -21,7 +21,8 @@ from torch import nn
 
 import bayeswrap as bw
 import bayeswrap.methods.laplace.curvature as curvature_module
-from bayeswrap.methods.laplace.curvature import LayerCurvature, ggn_vectors, nll_gradient_vectors
+from bayeswrap.methods.laplace.curvature import LayerCurvature
+from bayeswrap.methods.laplace.fitting import ggn_vectors, nll_gradient_vectors
 
 DT = torch.float64
 CURVATURES = ("empirical_fisher", "fisher", "ggn")

@@ -255,6 +255,91 @@ def test_val_optimum_is_the_grid_point_with_lowest_nll(iris):
     assert bnn.val_search["nll"] == nll_first
 
 
+def _state(bnn):
+    return {k: v.clone() for k, v in bnn.state_dict().items() if torch.is_tensor(v)}
+
+
+def test_validation_search_mutates_nothing_and_scores_as_the_legacy_keywords(iris):
+    """The search sets δ only while it scores, and each score is the legacy per-call predictive's NLL."""
+    from bayeswrap.evaluation.calibration import nll
+    from bayeswrap.methods.laplace import GLM, validation_search
+    from bayeswrap.methods.predictives import Sampled
+
+    bnn, ref = _iris_bnn(iris), _iris_bnn(iris)
+    xv, yv = iris["xv"], iris["yv"].clone()
+    yv[:3] = (yv[:3] + 1) % 3
+    loader = [(xv[:12], yv[:12]), (xv[12:], yv[12:])]
+    grid = [1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0, 1e3]
+    before = _state(bnn)
+    for predictive, legacy in [(GLM("probit"), {}), (GLM("mc"), {"link_approx": "mc"}), (Sampled(), {"pred_type": "nn"}),
+                               (None, {})]:
+        record = validation_search(bnn, loader, grid, predictive=predictive, num_samples=20, seed=3)
+        assert (bnn.pred_type, bnn.link_approx, bnn.prior_precision) == ("glm", "probit", 1.0)
+        assert not hasattr(bnn, "val_search")
+        after = _state(bnn)
+        assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+        expected = []  # the search as it ran before: δ set on the model, the legacy keywords, one generator per δ
+        for delta in grid:
+            ref.prior_precision = delta
+            g = torch.Generator().manual_seed(3)
+            expected.append(nll(torch.cat([ref.predict(x, 20, g, **legacy) for x, _ in loader]), yv))
+        assert record["grid"] == grid and record["val_nll"] == expected
+        assert record["chosen"] == grid[record["chosen_index"]] == grid[min(range(len(grid)), key=expected.__getitem__)]
+        # optimize_prior_precision("val") sets what the search chose, and only δ and its record
+        fresh = _iris_bnn(iris)
+        assert fresh.optimize_prior_precision("val", val_loader=loader, grid=grid, num_samples=20, seed=3,
+                                              **legacy) == record["chosen"]
+        assert fresh.val_search == {"grid": grid, "nll": expected}
+        assert (fresh.pred_type, fresh.link_approx) == ("glm", "probit")
+
+
+def test_validation_search_brackets_as_compare_did(iris):
+    """With bounds, the search is evaluation.tuning.tune over optimize_prior_precision("val") one value at a time."""
+    from bayeswrap.evaluation.tuning import tune
+    from bayeswrap.methods.laplace import GLM, validation_search
+
+    bnn, old = _iris_bnn(iris), _iris_bnn(iris, link_approx="mc")
+    loader = [(iris["xv"], iris["yv"])]
+    grid, bounds = [1e-4, 1e-3], (1e-6, 1e6)  # the optimum lies above the grid: the search extends it
+
+    def val_nll_of(value):  # what compare ran before: one optimize_prior_precision("val") per value
+        old.optimize_prior_precision("val", val_loader=loader, grid=[value], num_samples=8, seed=1)
+        return old.val_search["nll"][0]
+
+    expected = tune(grid, val_nll_of, bounds=bounds)
+    record = validation_search(bnn, loader, grid, predictive=GLM("mc"), num_samples=8, seed=1, bounds=bounds)
+    assert record["extensions"] and record == expected
+    assert bnn.prior_precision == 1.0 and bnn.link_approx == "probit"
+
+
+def test_default_predictive_maps_the_legacy_keywords(iris):
+    from bayeswrap.methods.laplace import GLM, validation_search
+    from bayeswrap.methods.predictives import Sampled
+
+    bnn = _iris_bnn(iris)
+    assert repr(bnn.default_predictive()) == "GLM(link='probit')"
+    assert repr(bnn.default_predictive(link_approx="mc")) == "GLM(link='mc')"
+    assert isinstance(bnn.default_predictive(pred_type="nn"), Sampled)
+    assert repr(_iris_bnn(iris, pred_type="nn", link_approx="mc").default_predictive()) == "Sampled()"
+    x, g = iris["xv"], lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    assert torch.equal(bnn.predict(x, 4, g(), predictive=GLM("mc")), bnn.predict(x, 4, g(), link_approx="mc"))
+    assert torch.equal(bnn.predict(x, 4, g(), predictive=Sampled()), bnn.predict(x, 4, g(), pred_type="nn"))
+    assert torch.equal(bnn.sample_logits(x, 4, g(), predictive=GLM()), bnn.sample_logits(x, 4, g()))
+    with pytest.raises(TypeError, match=r"\['temperature'\] are not accepted by method 'laplace'; accepted: model, "
+                                        r"pred_type, link_approx"):
+        bnn.predict(x, 4, temperature=2.0)
+    with pytest.raises(ValueError, match=r"model='mpm' is not accepted by method 'laplace'"):
+        bnn.predict(x, 4, model="mpm")
+    with pytest.raises(ValueError, match=r"link='bridge' is not known; accepted: \('mc', 'probit'\)"):
+        GLM("bridge")
+    vi = bw.wrap(_iris_net(), "vi", num_data=8)
+    with pytest.raises(TypeError, match=r"GLM\(...\) is the linearised predictive of method 'laplace', not of "
+                                        r"method 'vi'"):
+        vi.predict(x, 2, predictive=GLM())
+    with pytest.raises(TypeError, match=r"searches the prior precision of a Laplace model; got 'vi'"):
+        validation_search(vi, [(x, iris["yv"])])
+
+
 def test_flat_bias_prior_is_left_out_of_the_evidence(iris):
     bnn = _iris_bnn(iris, bias="uninformative", prior_std=0.5)
     h, d2, logdet = bnn.curvature_diag.as_dict(), 0.0, 0.0

@@ -261,3 +261,14 @@ def _mps_available() -> bool:
 #: the most posterior samples S a run's predictive draws (``--num-samples``): the predictive holds S × N × K
 #: probabilities in memory (100,000 × 434 digits test images × 8 classes is 1.4 GB in float32)
 MAX_PREDICTIVE_SAMPLES = 100_000
+
+
+def check_choice(name: str, value, accepted: tuple[str, ...]) -> str:
+    """Validates an option that takes one of a fixed set of names and returns it.
+
+    Raises:
+        ValueError: e.g. ``link_approx='bridge' is not known; accepted: ('mc', 'probit')``.
+    """
+    if value not in accepted:
+        raise ValueError(f"{name}={value!r} is not known; accepted: {accepted}")
+    return value

@@ -69,7 +69,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +82,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from bayeswrap.core.functional import vmap_over_examples
-from bayeswrap.core.likelihoods import at_least_float32
 
 #: routes a Bayesian parameter can take (see :attr:`LayerCurvature.routes`)
 ROUTES = ("linear", "conv", "layernorm", "groupnorm", "batchnorm", "module", "network", "unused")
@@ -648,81 +647,3 @@ def _network_grads(forward, theta, names, x, v, rows: int, acc) -> None:
         for n in names:
             acc.rows_of(n, g[n].transpose(0, 1), sl)
 
-
-# ---------------------------------------------------------------------- output-space vectors
-def nll_gradient_vectors(likelihood, targets: Iterable[torch.Tensor], weight: float = 1.0
-                         ) -> Callable[[torch.Tensor, int], Iterator[torch.Tensor]]:
-    """Vectors of the (empirical) Fisher: sqrt(weight) ∂ −log p(y_n | f_n)/∂f_n, one per target set.
-
-    Args:
-        likelihood: a bayeswrap likelihood (its per-example ``nll``).
-        targets: one or more target tensors (observed labels for the empirical
-            Fisher; sampled labels for the Fisher), each (B,) or (B, D).
-        weight: multiplies every squared gradient (e.g. 1/S for S sampled labels).
-
-    Returns:
-        ``vectors(f, m)`` for :meth:`LayerCurvature.squared_grad_sums`, yielding
-        (m_j, B, *out) chunks.
-    """
-    targets = list(targets)
-
-    def vectors(f, m):
-        scale = weight**0.5
-        for start in range(0, len(targets), m):
-            out = []
-            for y in targets[start:start + m]:
-                fd = f.detach().requires_grad_(True)
-                with torch.enable_grad():
-                    (g,) = torch.autograd.grad(likelihood.nll(fd, y, reduction="none").sum(), fd)
-                out.append(g * scale if weight != 1.0 else g)
-            yield torch.stack(out)
-
-    return vectors
-
-
-def ggn_vectors(likelihood) -> Callable[[torch.Tensor, int], Iterator[torch.Tensor]]:
-    """Columns of a factor of the output Hessian, Λ_n = Σ_k s_{n,k} s_{n,k}ᵀ (BackPACK's ``DiagGGNExact``).
-
-    Softmax (categorical): s_{n,k} = sqrt(p_{n,k}) (e_k − p_n), with p_n the
-    class probabilities; Gaussian: s_{n,k} = e_k / noise_std over the flattened
-    outputs.
-
-    Returns:
-        ``vectors(f, m)`` yielding (m_j, B, *out) chunks of the K vectors
-        (K the number of outputs per example).
-    """
-    categorical = likelihood.name == "categorical"
-
-    def vectors(f, m):
-        batch = f.shape[0]
-        k = f[0].numel()
-        if categorical:
-            p = at_least_float32(f).softmax(-1).to(f.dtype)
-            root = p.sqrt()
-        for start in range(0, k, m):
-            ks = torch.arange(start, min(start + m, k), device=f.device)
-            eye = F.one_hot(ks, k).to(f.dtype)  # (m, K)
-            if categorical:
-                v = root.t()[ks].unsqueeze(-1) * (eye.unsqueeze(1) - p.unsqueeze(0))  # (m, B, K)
-            else:
-                v = (eye / likelihood.noise_std).unsqueeze(1).expand(-1, batch, -1)
-            yield v.reshape(len(ks), *f.shape)
-
-    return vectors
-
-
-def basis_vectors() -> Callable[[torch.Tensor, int], Iterator[torch.Tensor]]:
-    """The unit vectors e_k of the (flattened) output space, the same for every example: rows of J.
-
-    Returns:
-        ``vectors(f, m)`` yielding (m_j, B, *out) chunks of the K vectors.
-    """
-
-    def vectors(f, m):
-        k = f[0].numel()
-        for start in range(0, k, m):
-            ks = torch.arange(start, min(start + m, k), device=f.device)
-            eye = F.one_hot(ks, k).to(f.dtype)
-            yield eye.unsqueeze(1).expand(-1, f.shape[0], -1).reshape(len(ks), *f.shape)
-
-    return vectors
