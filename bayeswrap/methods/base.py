@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import vmap
 
 from bayeswrap.core import fused
-from bayeswrap.core.batches import NonFiniteInputError, check_inputs_finite, class_labels, without_key, x_device
+from bayeswrap.core.batches import NonFiniteInputError, check_inputs_finite, class_labels, without_key
 from bayeswrap.core.checks import SCALE_RANGE, check_float, check_int, check_scale
 from bayeswrap.core.functional import (
     NamedTensors,
@@ -44,6 +44,7 @@ from bayeswrap.core.functional import (
 from bayeswrap.core.layers import LRTLayer, find_lrt_layers, lrt_copy
 from bayeswrap.core.likelihoods import make_likelihood
 from bayeswrap.core.priors import GaussianPrior
+from bayeswrap.methods.predictives import Predictive, Sampled, chunked_outputs
 
 METHODS: dict[str, type[BayesianModel]] = {}
 
@@ -397,15 +398,6 @@ class BayesianModel(nn.Module, ABC):
                              "likelihood='gaussian'")
         self.likelihood.noise_std = value
 
-    def _check_predictive_model(self, model: str) -> str:
-        accepted = ("full", "mpm") if self.has_inclusion else ("full",)
-        if model not in accepted:
-            hint = "" if self.has_inclusion else " (the median probability model needs inclusion variables: " \
-                                                 "method 'lbbnn')"
-            raise ValueError(f"model={model!r} is not accepted by method {self.method!r}; accepted: "
-                             f"{', '.join(map(repr, accepted))}{hint}")
-        return model
-
     def param_groups(self, head: Iterable[str] = (), lr_head: float | None = None) -> list[dict]:
         """Optimizer parameter groups: posterior parameters, then point estimates, then a learned noise std.
 
@@ -547,22 +539,29 @@ class BayesianModel(nn.Module, ABC):
         return LossOutput(nll + (self.kl_weight / self.num_data) * kl, nll, kl, outs[-1])
 
     def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """Draws θ_s ~ q(θ), s = 1..S, for the Bayesian parameters.
-
-        The default is the diagonal Gaussian N(posterior_mean, posterior_std²).
+        """Draws θ_s ~ q(θ), s = 1..S, for the Bayesian parameters (the method's :meth:`_draw`).
 
         Args:
-            num_samples: S ≥ 1.
+            num_samples: S ≥ 1 (an integer; numpy integers and integral floats are accepted).
             generator: optional ``torch.Generator`` for reproducible draws.
 
         Returns:
-            ``{name: tensor of shape (S, *param_shape)}``.
+            ``{name: tensor of shape (S, *param_shape)}`` (under local reparameterisation, the LRT layers'
+            pre-activation moments instead of their weights, see :meth:`forward_with`).
 
         Raises:
             ValueError: if ``num_samples`` is not an integer >= 1.
             NotFittedError: if the posterior does not exist yet.
         """
         num_samples = check_int("num_samples", num_samples, minimum=1)
+        self._check_ready()
+        return self._draw(num_samples, generator)
+
+    def _draw(self, num_samples: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+        """S draws on checked arguments, ``{name: (S, *shape)}``; the default is N(posterior_mean, posterior_std²).
+
+        Methods whose posterior is not a diagonal Gaussian (or that sample pre-activation moments) override this.
+        """
         mean, std = self.posterior_mean(), self.posterior_std()
         ref = next(iter(mean.values()))
         if ref.device.type == "cpu" and num_samples * sum(m.numel() for m in mean.values()) >= fused.RNG_PARALLEL_MIN:
@@ -577,71 +576,66 @@ class BayesianModel(nn.Module, ABC):
             out[n] = m + std[n] * eps
         return out
 
-    def sample_logits(self, x, num_samples: int, generator: torch.Generator | None = None,
-                      model: str = "full") -> torch.Tensor:
+    def default_predictive(self, model: str = "full", **options) -> Predictive:
+        """The predictive :meth:`predict` and :meth:`sample_logits` use when none is given: :class:`Sampled`.
+
+        The old keyword arguments of ``predict`` map to predictives here (``model="mpm"`` of a method with
+        inclusion variables: :class:`MedianModel`); methods with other options (Laplace's ``pred_type``,
+        ``link_approx``) override this. Nothing on the model changes.
+
+        Args:
+            model: ``"full"`` (full Bayesian model averaging); methods with inclusion variables also accept
+                ``"mpm"``.
+            **options: a method's own predictive options (none here).
+
+        Raises:
+            ValueError: on a ``model`` the method does not accept.
+            TypeError: on an option the method does not take, naming it and the accepted ones.
+        """
+        _refuse_options(self, options, ("model",))
+        if model != "full":
+            raise ValueError(f"model={model!r} is not accepted by method {self.method!r}; accepted: 'full' (the "
+                             "median probability model needs inclusion variables: method 'lbbnn')")
+        return Sampled()
+
+    def sample_logits(self, x, num_samples: int, generator: torch.Generator | None = None, model: str = "full", *,
+                      predictive: Predictive | None = None, **options) -> torch.Tensor:
         """Model outputs under S posterior samples.
 
-        Samples are drawn and evaluated ``chunk_size`` at a time; within a chunk
-        the forward passes run as one ``torch.func.vmap`` over samples (in train
-        mode with BatchNorm, whose in-place statistics updates cannot be vmapped,
-        they run one after another).
+        With the default :class:`Sampled` predictive, samples are drawn and evaluated ``chunk_size``
+        at a time; within a chunk the forward passes run as one ``torch.func.vmap`` over samples (in
+        train mode with BatchNorm, whose in-place statistics updates cannot be vmapped, they run one
+        after another).
 
         Args:
             x: model input with batch size B (a tensor, or a tuple of positional inputs).
             num_samples: S ≥ 1 (an integer; numpy integers and integral floats are accepted).
             generator: optional ``torch.Generator``.
             model: ``"full"``, or ``"mpm"`` for methods with inclusion variables (see :meth:`predict`).
+            predictive: a :class:`~bayeswrap.methods.predictives.Predictive` to use instead of
+                :meth:`default_predictive`'s.
+            **options: a method's own predictive options (Laplace: ``pred_type``), see :meth:`default_predictive`.
 
         Returns:
             Tensor of shape (S, B, K) (or (S, B, D) for regression).
 
         Raises:
             NotFittedError: if the posterior does not exist yet.
-            ValueError: if ``num_samples`` is not an integer >= 1, or a floating input
-                contains NaN or inf.
+            ValueError: if ``num_samples`` is not an integer >= 1, a floating input contains NaN or inf,
+                or ``predictive`` is given together with ``model``/options.
+            TypeError: on an option the method does not take, or a ``predictive`` that is not a Predictive.
         """
         num_samples = check_int("num_samples", num_samples, minimum=1)
-        self._check_predictive_model(model)
+        chosen = _chosen_predictive(self, predictive, model, options)
         self._check_ready()
         check_inputs_finite(x)
-        if model != "full":
-            return self._sample_logits_mpm(x, num_samples, generator)
-        return self._sample_logits(x, num_samples, generator)
+        return chosen.outputs(self, x, num_samples, generator)
 
     def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None,
                        sample=None) -> torch.Tensor:
-        """:meth:`sample_logits` on checked arguments (methods with their own draws override this).
-
-        ``sample`` draws the stacked parameters (default :meth:`sample`). Under local
-        reparameterisation the pre-activation noise comes from the global RNG; with a
-        ``generator`` it is seeded from it, so a seeded generator still reproduces the outputs.
-        """
-        sample = sample or self.sample
-        outs = []
-        for start in range(0, num_samples, self.chunk_size):
-            thetas = sample(min(self.chunk_size, num_samples - start), generator=generator)
-            if self._lrt and generator is not None:
-                seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
-                with torch.random.fork_rng(devices=[] if x_device(x).type == "cpu" else [x_device(x)]):
-                    torch.manual_seed(seed)
-                    outs.append(self._forward_many(thetas, x))
-            else:
-                outs.append(self._forward_many(thetas, x))
-        return torch.cat(outs, 0)
-
-    def _sample_logits_mpm(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
-        """Outputs of the median probability model; methods with inclusion variables (LBBNN) override this."""
-        self._check_predictive_model("mpm")  # a ValueError for every method without inclusion variables
-        raise NotImplementedError(f"method {self.method!r} has inclusion variables but no MPM sampler")
-
-    def mpm_mean(self) -> dict[str, torch.Tensor]:
-        """The weights of the median probability model (methods with inclusion variables).
-
-        Raises:
-            ValueError: for a method without inclusion variables.
-        """
-        self._check_predictive_model("mpm")
-        raise NotImplementedError(f"method {self.method!r} has inclusion variables but no MPM mean")
+        """Transitional: :class:`Sampled`'s chunk loop over ``sample`` (default :meth:`sample`)."""
+        return chunked_outputs(self, x, num_samples, generator,
+                               sample or (lambda s, g: self.sample(s, generator=g)))
 
     def _forward_many(self, thetas: dict[str, torch.Tensor], x) -> torch.Tensor:
         """Outputs under each of the stacked samples ``thetas`` ({name: (S, *shape)}), (S, B, ...).
@@ -676,7 +670,8 @@ class BayesianModel(nn.Module, ABC):
         return out
 
     @torch.no_grad()
-    def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None, model: str = "full"):
+    def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None, model: str = "full", *,
+                predictive: Predictive | None = None, **options):
         """Posterior predictive p(y|x, D) ≈ (1/S) Σ_s p(y|x, θ_s) (BayesDLL eqs. 5 and 9).
 
         Args:
@@ -688,6 +683,10 @@ class BayesianModel(nn.Module, ABC):
                 inclusion variables (``"lbbnn"``), ``"mpm"``: the median probability
                 model, the weights with inclusion probability > 0.5 (Barbieri &
                 Berger 2004).
+            predictive: a :class:`~bayeswrap.methods.predictives.Predictive` (``Sampled()``,
+                ``PosteriorMean()``, ...) to use instead of :meth:`default_predictive`'s.
+            **options: a method's own predictive options (Laplace: ``pred_type``, ``link_approx``),
+                see :meth:`default_predictive`.
 
         Returns:
             Categorical likelihood: probabilities of shape (B, K) (float32, or float64 for a float64 model),
@@ -702,22 +701,17 @@ class BayesianModel(nn.Module, ABC):
             NotFittedError: if the posterior does not exist yet (Laplace before
                 ``fit_curvature``, SGLD before any sample was kept).
             ValueError: if ``num_samples`` is not an integer >= 0, a floating input
-                contains NaN or inf (one ``torch.isfinite(x).all()`` per call), or
-                a categorical model's outputs are not logits of shape (B, K), K >= 2.
-            TypeError: if the model does not return a tensor.
+                contains NaN or inf (one ``torch.isfinite(x).all()`` per call), a
+                categorical model's outputs are not logits of shape (B, K), K >= 2, or
+                ``predictive`` is given together with ``model``/options.
+            TypeError: if the model does not return a tensor, on an option the method does not take,
+                or a ``predictive`` that is not a Predictive.
         """
         num_samples = check_int("num_samples", num_samples, minimum=0)
-        self._check_predictive_model(model)
+        chosen = _chosen_predictive(self, predictive, model, options)
         self._check_ready()
         check_inputs_finite(x)
-        if model != "full":
-            return self._predictive(self.sample_logits(x, max(num_samples, 1), generator, model=model)
-                                    if num_samples else self.forward_with(self.mpm_mean(), x).unsqueeze(0))
-        if num_samples == 0:
-            outs = self._mean_outputs(x)
-        else:
-            outs = self._sample_logits(x, num_samples, generator)
-        return self._predictive(outs)
+        return chosen.predict(self, x, num_samples, generator)
 
     def _predictive(self, outs: torch.Tensor):
         """Averages (S, B, ·) outputs into the predictive of the likelihood (after checking their shape)."""
@@ -747,7 +741,7 @@ class BayesianModel(nn.Module, ABC):
         * MC-dropout: ``mode="params"``: the mixture mean (1 − p) m + p θ̄ (the
           weight-scaling rule of dropout); ``mode="layers"``: the weights, dropout off;
         * SWAG: θ_SWA, with BatchNorm statistics recomputed for it (Maddox et al. 2019, §4);
-        * LBBNN: the median probability model's weights (:meth:`mpm_mean`, as
+        * LBBNN: the median probability model's weights (``LBBNN.mpm_mean``, as
           ``predict(x, 0, model="mpm")``).
 
         An ensemble has no single mean network and refuses: deploy a member with
@@ -810,6 +804,27 @@ class BayesianModel(nn.Module, ABC):
             raise ValueError("checkpoint's Bayesian parameters do not match this model's: "
                              f"only in checkpoint {sorted(theirs - ours)[:8]}, "
                              f"only in model {sorted(ours - theirs)[:8]}")
+
+
+def _chosen_predictive(bnn: BayesianModel, predictive, model: str, options: dict) -> Predictive:
+    """``predictive``, or the method's default for the legacy ``model``/options (never both)."""
+    if predictive is None:
+        return bnn.default_predictive(model=model, **options)
+    if not isinstance(predictive, Predictive):
+        raise TypeError(f"predictive={predictive!r} is not accepted; accepted: a bayeswrap.methods.predictives."
+                        "Predictive, e.g. Sampled() or PosteriorMean()")
+    if model != "full" or options:
+        given = {**({"model": model} if model != "full" else {}), **options}
+        raise ValueError(f"predictive={predictive!r} and {given} were both given; accepted: one of them (the "
+                         "options only choose the default predictive)")
+    return predictive
+
+
+def _refuse_options(bnn: BayesianModel, options: dict, accepted: tuple[str, ...]) -> None:
+    """A TypeError naming the predictive options ``bnn`` does not take, and the ones it does."""
+    if options:
+        raise TypeError(f"predictive option(s) {sorted(options)} are not accepted by method {bnn.method!r}; "
+                        f"accepted: {', '.join(accepted)} (or predictive=)")
 
 
 def _check_key(name: str, value) -> str:

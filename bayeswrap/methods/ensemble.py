@@ -53,7 +53,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from bayeswrap.core.batches import check_inputs_finite, class_labels
+from bayeswrap.core.batches import class_labels
 from bayeswrap.core.checks import check_int
 from bayeswrap.core.functional import NamedTensors
 from bayeswrap.core.likelihoods import at_least_float32
@@ -67,6 +67,7 @@ from bayeswrap.methods.base import (
     unwrap_compiled,
 )
 from bayeswrap.methods.map import MAP
+from bayeswrap.methods.predictives import Mixture, Predictive
 
 #: accepted values of ``parallel``
 PARALLEL = ("auto", "vmap", "sequential")
@@ -377,22 +378,27 @@ class Ensemble(BayesianModel):
             out[n] = (second - mu.mean(0).pow(2)).clamp_min(0).sqrt()
         return out
 
-    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    def _draw(self, num_samples: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
         """S draws from the mixture, member m contributing :meth:`draws_per_member` of them, ``{name: (S, *shape)}``.
 
         Raises:
-            ValueError: if ``num_samples`` is not an integer >= 1.
             NotFittedError: if a member has no posterior yet.
         """
-        self._check_ready()
         parts = [member.sample(s, generator) for member, s in zip(self.members, self.draws_per_member(num_samples))
                  if s]
         return {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
 
-    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
-        outs = [member.sample_logits(x, s, generator) for member, s in
-                zip(self.members, self.draws_per_member(num_samples)) if s]
-        return torch.cat(outs)
+    def default_predictive(self, model: str = "full", **options) -> Predictive:
+        """The mixture of the members' predictives, :class:`~bayeswrap.methods.predictives.Mixture`
+        (1/S) Σ_m S_m p̂_m(y|x) (see the module docstring); ``predict(x, 0)`` averages the members'
+        posterior-mean predictions equally.
+
+        Raises:
+            ValueError: on a ``model`` other than ``"full"``.
+            TypeError: on any other option.
+        """
+        super().default_predictive(model=model, **options)
+        return Mixture()
 
     def forward_with(self, theta, x):
         raise NotImplementedError("an ensemble has one set of weights per member: use "
@@ -429,43 +435,6 @@ class Ensemble(BayesianModel):
         raise ValueError(f"an ensemble of {self.num_members} {self.member!r} members has no single set of "
                          "deterministic weights (its predictive is the mixture of the members'); deploy a member "
                          "instead: bnn.members[m].to_deterministic()")
-
-    @torch.no_grad()
-    def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None, model: str = "full"):
-        """The mixture predictive (1/S) Σ_m S_m p̂_m(y|x) (see the module docstring).
-
-        Args:
-            x: model input with batch size B.
-            num_samples: S, total draws over all members (split by :meth:`draws_per_member`);
-                ``0`` averages the members' posterior-mean predictions equally.
-            generator: optional ``torch.Generator``.
-            model: ``"full"`` only.
-
-        Returns:
-            Categorical: probabilities (B, K), rows summing to 1. Gaussian:
-            ``(mean, variance)``, each (B, D), the mixture's moments.
-
-        Raises:
-            ValueError: as :meth:`BayesianModel.predict`.
-            NotFittedError: if a member has no posterior yet.
-        """
-        num_samples = check_int("num_samples", num_samples, minimum=0)
-        self._check_predictive_model(model)
-        self._check_ready()
-        check_inputs_finite(x)
-        if num_samples == 0:
-            counts = [1] * self.num_members
-        else:
-            counts = self.draws_per_member(num_samples)
-        total = float(sum(counts))
-        preds, weights = [], []
-        for member, s in zip(self.members, counts):
-            if s == 0:
-                continue
-            draws = 0 if (num_samples == 0 or type(member) is MAP) else s
-            preds.append(member.predict(x, num_samples=draws, generator=generator))
-            weights.append(s / total)
-        return self._mixture(preds, weights)
 
     # ------------------------------------------------------------------ checkpoints
     def get_extra_state(self):

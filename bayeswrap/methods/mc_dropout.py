@@ -46,6 +46,7 @@ from bayeswrap.core.checks import check_bool
 from bayeswrap.core.functional import NamedTensors, is_bias
 from bayeswrap.core.fused import dropout_sample, uniform_like
 from bayeswrap.methods.base import BayesianModel, check_float, check_int, register_method
+from bayeswrap.methods.predictives import Predictive, Sampled
 
 BIAS_OPTIONS = ("informative", "uninformative", "gaussian", "spikymix", "ignore")
 #: accepted values of ``mode``
@@ -211,27 +212,34 @@ class MCDropout(BayesianModel):
         return {n: (self.drop_prob[n] * (1 - self.drop_prob[n])) ** 0.5 * (m - self.prior.mean[n]).abs()
                 for n, m in self.theta.items()}
 
-    def sample(self, num_samples, generator=None):
+    def _draw(self, num_samples, generator):
         """Draws S dropout samples θ_s = z_s ⊙ m + (1 − z_s) ⊙ θ̄, ``{name: (S, *shape)}``.
 
         With ``mode="layers"`` the parameters are not dropped: M repeated S times (a view);
         the masks are drawn on the units by :meth:`~bayeswrap.BayesianModel.sample_logits`.
         """
-        num_samples = check_int("num_samples", num_samples, minimum=1)
         return self._masked((num_samples,), generator)
 
-    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None, sample=None) -> torch.Tensor:
-        """Outputs under S samples, (S, B, ...); ``mode="layers"``: with the dropout modules active.
+    def default_predictive(self, model: str = "full", **options) -> Predictive:
+        """:class:`Sampled`; ``mode="layers"``: with the dropout modules active (``Sampled(context=...)``).
 
         The S forward passes run as one ``vmap`` with ``randomness="different"`` (a mask
         per sample), ``chunk_size`` at a time. Dropout draws from the global RNG; with a
         ``generator`` the RNG is seeded from it inside ``torch.random.fork_rng`` (the global
         state is left as it was), so a seeded generator reproduces the outputs.
+
+        Raises:
+            ValueError: on a ``model`` other than ``"full"``.
+            TypeError: on any other option.
         """
-        if self.mode == "params":
-            return super()._sample_logits(x, num_samples, generator, sample)
+        default = super().default_predictive(model=model, **options)
+        return default if self.mode == "params" else Sampled(context=self._dropout_context)
+
+    @contextlib.contextmanager
+    def _dropout_context(self, x, generator: torch.Generator | None):
+        """The dropout modules active, and the global RNG seeded from ``generator`` (if any), around a prediction."""
         with self._active_dropout(), _seeded(generator, x):
-            return super()._sample_logits(x, num_samples, generator, sample)
+            yield
 
     @contextlib.contextmanager
     def _active_dropout(self):

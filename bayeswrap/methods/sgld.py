@@ -43,6 +43,7 @@ from bayeswrap.core.samples import SampleStore, welford_update_, welford_varianc
 from bayeswrap.core.schedules import cycle_length, cyclical_step_size, exploration_steps, restore_param_groups
 from bayeswrap.methods.base import NotFittedError, check_float, check_int, register_method
 from bayeswrap.methods.map import MAP
+from bayeswrap.methods.predictives import Predictive, StoredDraws
 
 #: fraction of the fit's optimizer steps discarded as burn-in when ``burn_in="auto"``
 BURN_IN_FRACTION = 0.5
@@ -369,7 +370,7 @@ class SGLD(MAP):
                                  "before the store existed); set bnn.predictive = 'gaussian' to use the moments")
         return self.sample_store
 
-    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    def _draw(self, num_samples: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
         """S posterior samples, ``{name: (S, *param_shape)}`` on the parameters' device and dtype.
 
         ``predictive="ensemble"``: stored iterates, deterministic (``generator``
@@ -382,29 +383,24 @@ class SGLD(MAP):
         Raises:
             NotFittedError: if no iterate has been kept yet (or, for the
                 ensemble, none is in the store).
-            ValueError: if ``num_samples`` is not an integer >= 1.
         """
         if self.predictive == "gaussian":
-            return super().sample(num_samples, generator)
-        num_samples = check_int("num_samples", num_samples, minimum=1)
+            return super()._draw(num_samples, generator)
         device, dtype = self._compute_placement()
         return self._ensemble_store().select(num_samples, device=device, dtype=dtype)
 
-    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
-        """Model outputs under S posterior samples, (S, B, K) or (S, B, D); see :meth:`sample`.
+    def default_predictive(self, model: str = "full", **options) -> Predictive:
+        """:attr:`predictive` as an object: ``"ensemble"``: :class:`StoredDraws` over the sample store (S stored
+        iterates chosen once, evaluated ``chunk_size`` at a time, only one chunk on the model's device at once);
+        ``"gaussian"``: :class:`Sampled` N(running mean, running variance) draws.
 
-        The ensemble chooses its S stored iterates once and evaluates them
-        ``chunk_size`` at a time, copying only one chunk of draws to the model's
-        device at once.
+        Raises:
+            ValueError: on a ``model`` other than ``"full"``.
+            TypeError: on any other option.
         """
-        if self.predictive == "gaussian":
-            return super()._sample_logits(x, num_samples, generator)
-        store = self._ensemble_store()
-        device, dtype = self._compute_placement()
-        indices = store.indices(num_samples)
-        outs = [self._forward_many(store.draws(indices[i:i + self.chunk_size], device, dtype), x)
-                for i in range(0, num_samples, self.chunk_size)]
-        return torch.cat(outs, 0)
+        default = super().default_predictive(model=model, **options)
+        return default if self.predictive == "gaussian" else StoredDraws(SGLD._ensemble_store,
+                                                                         placement=SGLD._compute_placement)
 
 
 def _check_burn_in(burn_in):

@@ -158,10 +158,6 @@ class _LogUniformVD(SparsityMixin, BayesianModel):
         mean, std = self.posterior_mean(), self.posterior_std()
         return {n: m + std[n] * torch.randn_like(m) for n, m in mean.items()}
 
-    def sample(self, num_samples, generator=None):
-        """θ_s ~ N(θ, σ²) (pruned weights exactly 0), ``{name: (S, *shape)}``."""
-        num_samples = check_int("num_samples", num_samples, minimum=1)
-        return super().sample(num_samples, generator)
 
     def log_alpha(self) -> dict[str, torch.Tensor]:
         """Log α = log σ² − log θ² of every weight (unclipped; +inf where pruned), ``{name: tensor}``."""

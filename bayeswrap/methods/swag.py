@@ -69,6 +69,7 @@ from bayeswrap.core.samples import RingStore, welford_update_, welford_variance
 from bayeswrap.core.schedules import restore_param_groups
 from bayeswrap.methods.base import NotFittedError, register_method
 from bayeswrap.methods.map import MAP
+from bayeswrap.methods.predictives import Predictive, Sampled
 
 #: fraction of the fit's optimizer steps before the first collection when ``swa_start="auto"``
 SWA_START_FRACTION = 0.5
@@ -388,7 +389,7 @@ class SWAG(MAP):
                 var[n] = var[n] + d.square().sum(0) / (k - 1)
         return {n: (v * self.scale).sqrt_() for n, v in var.items()}
 
-    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    def _draw(self, num_samples: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
         """θ̃_s = θ_SWA + √scale · (Σ_diag^½ z₁ + D̂ z₂ / √(K − 1)), s = 1..S (§3.4; see the module docstring).
 
         z₂ ~ N(0, I_K) is drawn first, shape (S, K) and shared by all parameters; then
@@ -403,10 +404,8 @@ class SWAG(MAP):
             ``{name: tensor of shape (S, *param_shape)}``.
 
         Raises:
-            ValueError: if ``num_samples`` is not an integer >= 1.
             NotFittedError: if no iterate has been collected yet.
         """
-        num_samples = check_int("num_samples", num_samples, minimum=1)
         mean, var = self.posterior_mean(), self.diagonal_variance()
         ref = next(iter(mean.values()))
         root, k = math.sqrt(self.scale), self.rank()
@@ -500,24 +499,16 @@ class SWAG(MAP):
         tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
         return call(self.model, tensors, self.bn_statistics(theta), without_key(x, self.label_key), self.output_key)
 
-    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None, sample=None) -> torch.Tensor:
-        """Model outputs under S samples, (S, B, ...); with BatchNorm each sample uses its own recomputed statistics.
+    def default_predictive(self, model: str = "full", **options) -> Predictive:
+        """:class:`Sampled`; with BatchNorm (``bn_update_batches`` > 0, outside a fit) each draw is evaluated under
+        its own recomputed statistics (``Sampled(forward=...)``, one draw after another; Maddox et al. 2019, §4).
 
-        Without BatchNorm (or ``bn_update_batches=0``, or while a fit runs) this is the
-        base class's chunked ``vmap``; with it the samples are drawn ``chunk_size`` at
-        a time and evaluated one after another (each needs its own BatchNorm pass).
+        Raises:
+            ValueError: on a ``model`` other than ``"full"``.
+            TypeError: on any other option.
         """
-        if not self._bn_update_active():
-            return super()._sample_logits(x, num_samples, generator, sample)
-        self._bn_update_loader()  # the error before any draw
-        sample = sample or self.sample
-        outs = []
-        for start in range(0, num_samples, self.chunk_size):
-            thetas = sample(min(self.chunk_size, num_samples - start), generator=generator)
-            count = next(iter(thetas.values())).shape[0]
-            outs.extend(self._forward_bn({n: t[i] for n, t in thetas.items()}, x) for i in range(count))
-        self.likelihood.check_outputs(outs[0])
-        return torch.stack(outs)
+        default = super().default_predictive(model=model, **options)
+        return Sampled(forward=self._forward_bn) if self._bn_update_active() else default
 
     def _mean_outputs(self, x) -> torch.Tensor:
         """Outputs at θ_SWA, (1, B, ·); with BatchNorm (``bn_update_batches`` > 0, outside a fit) under its own

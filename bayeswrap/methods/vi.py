@@ -141,11 +141,10 @@ class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_dete
         expand = {n: t.expand(num_samples, *t.shape) for n, t in mean.items() if n in self._lrt_set}
         return lrt_theta(self._lrt, expand, {n: t.expand(num_samples, *t.shape) for n, t in var.items()}, sampled)
 
-    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    def _draw(self, num_samples: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
         """S draws of θ; under local reparameterisation, the LRT layers' moments instead of their weights."""
         if not self.local_reparam:
-            return super().sample(num_samples, generator)
-        num_samples = check_int("num_samples", num_samples, minimum=1)
+            return super()._draw(num_samples, generator)
         return self._lrt_theta(num_samples, generator)
 
     def _train_sample(self):

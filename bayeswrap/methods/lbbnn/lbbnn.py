@@ -77,6 +77,7 @@ from bayeswrap.core.functional import NamedTensors, is_bias
 from bayeswrap.core.layers import lrt_names, lrt_theta
 from bayeswrap.methods.base import BayesianModel, register_method
 from bayeswrap.methods.lbbnn.flows import MultiplicativeFlow
+from bayeswrap.methods.predictives import MedianModel, Predictive
 from bayeswrap.methods.sparsity import PRUNED_RHO, SparsityMixin
 
 #: λ of a weight the MPM keeps / drops after :meth:`LBBNN.prune` (sigmoid(±1e4) is exactly 1 / 0 in float32)
@@ -323,8 +324,12 @@ class LBBNN(SparsityMixin, BayesianModel):
                 else sigma[n] for n, m in means.items()}
 
     # ------------------------------------------------------------------ predictive samples
-    def _draw(self, num_samples: int, generator, mpm: bool) -> dict[str, torch.Tensor]:
-        """S stacked draws: LRT-layer moments (with a z per draw) and whole-weight samples of the rest."""
+    def _draw(self, num_samples: int, generator, mpm: bool = False) -> dict[str, torch.Tensor]:
+        """S stacked draws: LRT-layer moments (with a z per draw) and whole-weight samples of the rest.
+
+        The full model: moments of the LRT layers, γ (μ̃ + σ̃ ε) with γ ~ Bernoulli(α̃) elsewhere; ``mpm=True``:
+        the median probability model's (γ = 1 where α̃ > 0.5, else 0; :class:`MedianModel`).
+        """
         sigma, alpha = self._sigma(), self.inclusion_probs()
         if mpm:
             alpha = {n: (a > 0.5).to(a.dtype) for n, a in alpha.items()}
@@ -344,14 +349,18 @@ class LBBNN(SparsityMixin, BayesianModel):
             whole[n] = w
         return lrt_theta(self._lrt, mean, var, whole)
 
-    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """S draws for the full model: moments of the LRT layers, γ (μ̃ + σ̃ ε) with γ ~ Bernoulli(α̃) elsewhere."""
-        num_samples = check_int("num_samples", num_samples, minimum=1)
-        return self._draw(num_samples, generator, mpm=False)
+    def default_predictive(self, model: str = "full", **options) -> Predictive:
+        """:class:`Sampled` for the full model; ``model="mpm"``: :class:`MedianModel`, the median probability model.
 
-    def _sample_logits_mpm(self, x, num_samples: int, generator) -> torch.Tensor:
-        return self._sample_logits(x, num_samples, generator,
-                                   sample=lambda s, generator=None: self._draw(s, generator, mpm=True))
+        Raises:
+            ValueError: on a ``model`` other than ``"full"`` and ``"mpm"``.
+            TypeError: on any other option.
+        """
+        if model == "mpm" and not options:
+            return MedianModel()
+        if model not in ("full", "mpm"):
+            raise ValueError(f"model={model!r} is not accepted by method {self.method!r}; accepted: 'full', 'mpm'")
+        return super().default_predictive(model="full", **options)
 
     # ------------------------------------------------------------------ pruning (the MPM)
     def _apply_prune(self, masks: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,212 @@
+"""Posterior predictives as objects: how S posterior outputs are made and averaged.
+
+:meth:`BayesianModel.predict(x, S, predictive=p) <bayeswrap.methods.base.BayesianModel.predict>` validates its
+arguments once and hands them to ``p``; without ``p`` the method's :meth:`default_predictive` chooses one (the old
+keyword arguments such as ``model="mpm"`` or Laplace's ``pred_type``/``link_approx`` build one there). A predictive
+holds no state of the model: the same object serves any model it applies to, and choosing one mutates nothing.
+
+* :class:`Sampled`: S draws of the method's :meth:`_draw`, ``chunk_size`` at a time, each chunk one ``vmap``
+  (BayesDLL eqs. 5 and 9): p(y | x, D) ≈ (1/S) Σ_s p(y | x, θ_s);
+* :class:`PosteriorMean`: the outputs at the posterior mean, whatever S (BayesDLL's ``nst=0``);
+* :class:`StoredDraws`: S kept draws (SGLD iterates, MCMC draws) spread evenly over the chain;
+* :class:`Mixture`: an ensemble's members' predictives mixed, S split over the members;
+* :class:`MedianModel`: the median probability model of a method with inclusion variables (Barbieri & Berger 2004);
+* Laplace's linearised predictive is :class:`bayeswrap.methods.laplace.glm.GLM`.
+
+Every ``outputs`` returns the model's outputs of shape (S, B, ...) (one row per draw); ``predict`` returns what
+:meth:`BayesianModel.predict` returns (categorical: probabilities (B, K); Gaussian and heteroscedastic:
+``(mean, variance)``, each (B, D)). Both are called with arguments the template methods already checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from bayeswrap.core.batches import x_device
+
+if TYPE_CHECKING:
+    from bayeswrap.methods.base import BayesianModel
+
+#: ``draw(num_samples, generator) -> {name: (S, *shape)}``
+Draw = Callable[[int, "torch.Generator | None"], dict]
+#: ``forward(theta, x) -> outputs (B, ...)`` for one draw ``theta``
+Forward = Callable[[dict, object], torch.Tensor]
+#: ``context(x, generator) -> context manager`` around the evaluation of all draws
+Context = Callable[[object, "torch.Generator | None"], contextlib.AbstractContextManager]
+
+
+class Predictive(ABC):
+    """A posterior predictive strategy: S outputs of a model, and their average under its likelihood."""
+
+    @abstractmethod
+    def outputs(self, bnn: BayesianModel, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
+        """The model's outputs under S posterior draws.
+
+        Args:
+            bnn: the model (ready, see :meth:`~bayeswrap.BayesianModel.is_ready`).
+            x: model input with batch size B (finite).
+            num_samples: S ≥ 1.
+            generator: optional ``torch.Generator`` for reproducible draws.
+
+        Returns:
+            Tensor of shape (S, B, K) (or (S, B, D) for regression).
+        """
+
+    def predict(self, bnn: BayesianModel, x, num_samples: int, generator: torch.Generator | None):
+        """The likelihood's predictive over :meth:`outputs`; ``num_samples=0``: at the posterior mean.
+
+        Returns:
+            Categorical: probabilities (B, K). Gaussian and heteroscedastic: ``(mean, variance)``, each (B, D).
+        """
+        if num_samples == 0:
+            return bnn._predictive(bnn._mean_outputs(x))
+        return bnn._predictive(self.outputs(bnn, x, num_samples, generator))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Sampled(Predictive):
+    """S draws of the posterior, evaluated ``bnn.chunk_size`` at a time (one ``vmap`` per chunk).
+
+    Draws come from ``draw`` (default: the method's :meth:`~bayeswrap.BayesianModel._draw`). Under local
+    reparameterisation the pre-activation noise comes from the global RNG; with a ``generator`` it is seeded
+    from it once per chunk (after the chunk's draws), so a seeded generator reproduces the outputs.
+
+    Args:
+        draw: optional ``draw(num_samples, generator) -> {name: (S, *shape)}`` replacing the method's draws.
+        forward: optional per-draw ``forward(theta, x) -> (B, ...)``: the draws are then evaluated one after
+            another with it (SWAG's BatchNorm refresh, Maddox et al. 2019, §4) instead of under ``vmap``.
+        context: optional ``context(x, generator) -> context manager`` entered once, before the first draw,
+            around the evaluation of all draws (MC-dropout's layer mode: the dropout modules active and the
+            global RNG seeded from ``generator``).
+    """
+
+    def __init__(self, draw: Draw | None = None, forward: Forward | None = None, context: Context | None = None):
+        self.draw, self.forward, self.context = draw, forward, context
+
+    def outputs(self, bnn, x, num_samples, generator):
+        if self.draw is None and self.forward is None and self.context is None and _overrides(bnn, "_sample_logits"):
+            return bnn._sample_logits(x, num_samples, generator)  # transitional: a method not converted yet
+        draw = self.draw or (bnn.sample if _overrides(bnn, "sample") else bnn._draw)
+        with self.context(x, generator) if self.context is not None else contextlib.nullcontext():
+            return chunked_outputs(bnn, x, num_samples, generator, draw, self.forward)
+
+    def __repr__(self) -> str:
+        given = [f"{k}={getattr(v, '__qualname__', v)!s}" for k, v in vars(self).items() if v is not None]
+        return f"Sampled({', '.join(given)})"
+
+
+class PosteriorMean(Predictive):
+    """The outputs at the posterior mean (BayesDLL's ``nst=0``), (1, B, ...) whatever S (ensembles: (M, B, ...))."""
+
+    def outputs(self, bnn, x, num_samples, generator):
+        return bnn._mean_outputs(x)
+
+    def predict(self, bnn, x, num_samples, generator):
+        return bnn._predictive(bnn._mean_outputs(x))
+
+
+class StoredDraws(Predictive):
+    """S kept draws, chosen once and spread evenly over the chain, evaluated ``chunk_size`` at a time.
+
+    S ≤ stored count takes evenly spaced draws (all of them for S = count), S > count cycles through them in
+    chain order (:func:`bayeswrap.core.samples.spread_indices`); the draws are deterministic (the generator is
+    unused), and only one chunk of them is on the model's device at once.
+
+    Args:
+        store: ``store(bnn)``: the model's store of kept draws, an object with ``indices(S)`` (int64 (S,)) and
+            ``draws(indices, device, dtype) -> {name: (len(indices), *shape)}``
+            (:class:`~bayeswrap.core.samples.SampleStore`); it raises ``NotFittedError`` when there is none.
+        placement: optional ``placement(bnn) -> (device, dtype)`` the draws are evaluated at; default: those of
+            the first tensor of ``bnn.posterior_mean()``.
+    """
+
+    def __init__(self, store: Callable, placement: Callable | None = None):
+        self.store, self.placement = store, placement
+
+    def outputs(self, bnn, x, num_samples, generator):
+        store = self.store(bnn)
+        if self.placement is not None:
+            device, dtype = self.placement(bnn)
+        else:
+            first = next(iter(bnn.posterior_mean().values()))
+            device, dtype = first.device, first.dtype
+        indices = store.indices(num_samples)
+        chunk = bnn.chunk_size
+        return torch.cat([bnn._forward_many(store.draws(indices[i:i + chunk], device, dtype), x)
+                          for i in range(0, num_samples, chunk)], 0)
+
+
+class MedianModel(Predictive):
+    """The median probability model (Barbieri & Berger 2004): the weights whose inclusion probability is > 0.5.
+
+    For a method with inclusion variables (LBBNN): ``outputs`` samples it (``bnn._draw(S, generator, mpm=True)``:
+    the Gaussian weights of the included ones), ``num_samples=0`` evaluates its mean ``bnn.mpm_mean()``.
+    """
+
+    def outputs(self, bnn, x, num_samples, generator):
+        return chunked_outputs(bnn, x, num_samples, generator, lambda s, g: bnn._draw(s, g, mpm=True))
+
+    def predict(self, bnn, x, num_samples, generator):
+        if num_samples == 0:
+            return bnn._predictive(bnn.forward_with(bnn.mpm_mean(), x).unsqueeze(0))
+        return bnn._predictive(self.outputs(bnn, x, num_samples, generator))
+
+
+class Mixture(Predictive):
+    """An ensemble's predictive: the members' predictives mixed, (1/S) Σ_m S_m p̂_m(y | x).
+
+    S is split over the M members by ``bnn.draws_per_member``; each member uses its own default predictive
+    (a MAP member its point prediction, once). ``num_samples=0`` mixes the members' posterior-mean predictions equally.
+    """
+
+    def outputs(self, bnn, x, num_samples, generator):
+        return torch.cat([member.sample_logits(x, s, generator)
+                          for member, s in zip(bnn.members, bnn.draws_per_member(num_samples)) if s])
+
+    def predict(self, bnn, x, num_samples, generator):
+        from bayeswrap.methods.map import MAP  # a point estimate: its S draws would all be θ*
+
+        counts = bnn.draws_per_member(num_samples) if num_samples else [1] * len(bnn.members)
+        total = float(sum(counts))
+        preds, weights = [], []
+        for member, s in zip(bnn.members, counts):
+            if s:
+                draws = 0 if (num_samples == 0 or type(member) is MAP) else s
+                preds.append(member.predict(x, num_samples=draws, generator=generator))
+                weights.append(s / total)
+        return bnn._mixture(preds, weights)
+
+
+def chunked_outputs(bnn: BayesianModel, x, num_samples: int, generator: torch.Generator | None, draw: Draw,
+                    forward: Forward | None = None) -> torch.Tensor:
+    """(S, B, ...) outputs of S draws made ``bnn.chunk_size`` at a time by ``draw``, see :class:`Sampled`."""
+    outs = []
+    for start in range(0, num_samples, bnn.chunk_size):
+        thetas = draw(min(bnn.chunk_size, num_samples - start), generator)
+        if forward is not None:
+            count = next(iter(thetas.values())).shape[0]
+            outs.extend(forward({n: t[i] for n, t in thetas.items()}, x).unsqueeze(0) for i in range(count))
+        elif bnn._lrt and generator is not None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+            with torch.random.fork_rng(devices=[] if x_device(x).type == "cpu" else [x_device(x)]):
+                torch.manual_seed(seed)
+                outs.append(bnn._forward_many(thetas, x))
+        else:
+            outs.append(bnn._forward_many(thetas, x))
+    if forward is not None:
+        bnn.likelihood.check_outputs(outs[0][0])
+    return torch.cat(outs, 0)
+
+
+def _overrides(bnn, name: str) -> bool:
+    """Whether ``bnn``'s class overrides the base's ``name`` (transitional, while methods are converted)."""
+    from bayeswrap.methods.base import BayesianModel
+
+    return getattr(type(bnn), name) is not getattr(BayesianModel, name)
