@@ -8,8 +8,11 @@ evaluated on the whole training set (``inputs``, ``targets``; n examples, N = ``
 functional call as every other method. :meth:`FullBatchMCMC.run_chains` hands U to the one chain runner
 (:mod:`bayeswrap.methods.mcmc.runner`), which steps a transition kernel (:mod:`bayeswrap.methods.mcmc.kernel`)
 over every chain at once and keeps the draws in a :class:`~bayeswrap.core.samples.SampleStore`
-(memory-bounded, thinned by two when full); :meth:`~bayeswrap.BayesianModel.predict` averages over them, the
-same ensemble predictive as SGLD's. The kernels:
+(memory-bounded, thinned by two when full); :meth:`~bayeswrap.BayesianModel.predict` averages over them with the
+:class:`~bayeswrap.methods.predictives.StoredDraws` predictive, the ensemble predictive of SGLD's iterates.
+U is the training objective as a function of θ, N · ``loss(x, y)``: the hooks ``_train_sample`` (θ₀, the
+model's weights) and ``regularizer`` (−log p(θ₀)) are the potential's terms at θ₀, and ``bw.fit`` refuses these
+methods because a sampler, not an optimiser, explores U. The kernels:
 
 * ``"mh"``: random-walk Metropolis–Hastings with an adaptive scale and shape (:mod:`bayeswrap.methods.mcmc.mh`);
 * ``"hmc"``: HMC with dual-averaging step size and windowed diagonal mass adaptation, or pyro-ppl's NUTS
@@ -31,13 +34,14 @@ import torch
 from bayeswrap.core import distributed
 from bayeswrap.core.checks import check_bool, check_float, check_int
 from bayeswrap.core.functional import NamedTensors
-from bayeswrap.core.samples import SampleStore, spread_indices
+from bayeswrap.core.samples import SampleStore
 from bayeswrap.methods.base import BayesianModel, NotFittedError, register_method
 from bayeswrap.methods.mcmc import runner
 from bayeswrap.methods.mcmc.hmc import HMCKernel, NUTSKernel
 from bayeswrap.methods.mcmc.kernel import MCMCKernel
 from bayeswrap.methods.mcmc.mh import RandomWalkKernel
 from bayeswrap.methods.mcmc.potential import FlatLayout, Potential
+from bayeswrap.methods.predictives import Predictive, StoredDraws
 
 #: the most Bayesian parameters a full-batch sampler accepts by default (larger models: use "sgld")
 MAX_PARAMETERS = 100_000
@@ -47,7 +51,9 @@ _RUN_DATA = ("inputs", "targets", "generator", "init")
 
 
 class FullBatchMCMC(BayesianModel):
-    """Shared machinery of the full-batch samplers (use ``bw.wrap(model, "mh" | "hmc", ...)``).
+    """The posterior over the kept draws of full-batch chains (use ``bw.wrap(model, "mh" | "hmc", ...)``).
+
+    A registered subclass chooses its transition kernel (:meth:`_kernel`); sampling is :meth:`run_chains`.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
 
@@ -83,9 +89,10 @@ class FullBatchMCMC(BayesianModel):
     def _kernel(self) -> MCMCKernel:
         """The transition kernel of one run, built from the method's options."""
 
-    # ------------------------------------------------------------------ posterior bookkeeping
+    # ------------------------------------------------------------------ hooks
     def _init_posterior(self, init):
-        self.theta = NamedTensors(init, trainable=False)  # the chains' starting point
+        """θ₀ (the model's weights: the chains' default start and the point of the hooks below), an empty store."""
+        self.theta = NamedTensors(init, trainable=False)
         self._make_store(self.num_chains)
 
     def _make_store(self, chains: int) -> None:
@@ -94,10 +101,44 @@ class FullBatchMCMC(BayesianModel):
         self.num_chains = chains
 
     def _train_sample(self):
+        """θ₀. The potential is the training objective as a function of θ: ``loss(x, y)`` on the whole
+        training set is U(θ₀)/N, and :meth:`run_chains` samples exp(−N · loss) with the same functional call
+        and the same prior term (:meth:`_energy`). Being a sampler's and not an optimiser's, it is not minimised
+        (``bw.fit`` refuses these methods, see :meth:`not_trained_by_fit`).
+        """
         return self.theta.as_dict()
 
     def regularizer(self) -> torch.Tensor:
-        return self.prior.penalty(self.theta.as_dict(), fused=False)
+        """−log p(θ₀) up to a constant, in nats: the prior term of U (:meth:`_neg_log_prior` at θ₀)."""
+        return self._neg_log_prior(self.theta.as_dict())
+
+    def posterior_mean(self):
+        """The mean of the kept draws over every chain (θ₀ before any draw)."""
+        if not self.is_ready():
+            return self.theta.as_dict()
+        return {n: t.mean(0) for n, t in self._pooled().items()}
+
+    def posterior_std(self):
+        """The std of the kept draws over every chain (0 before any draw)."""
+        if not self.is_ready():
+            return {n: torch.zeros_like(t) for n, t in self.theta.items()}
+        return {n: t.std(0, unbiased=False) for n, t in self._pooled().items()}
+
+    def _draw(self, num_samples: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+        """S kept draws spread evenly over all chains' draws (deterministic; ``generator`` unused)."""
+        kept = self._kept()
+        return kept.draws(kept.indices(num_samples), *self._placement())
+
+    def default_predictive(self, model: str = "full", **options) -> Predictive:
+        """:class:`~bayeswrap.methods.predictives.StoredDraws` over the kept draws of every chain (the ensemble
+        predictive of SGLD's iterates): S draws chosen once, evenly spread, evaluated ``chunk_size`` at a time.
+
+        Raises:
+            ValueError: on a ``model`` other than ``"full"``.
+            TypeError: on any other option.
+        """
+        super().default_predictive(model=model, **options)  # refuses model="mpm" and unknown options
+        return StoredDraws(FullBatchMCMC._kept, placement=FullBatchMCMC._placement)
 
     def not_trained_by_fit(self) -> str | None:
         return (f"method {self.method!r} is not trained with bw.fit: sample it with "
@@ -109,51 +150,27 @@ class FullBatchMCMC(BayesianModel):
     def _not_ready_message(self) -> str:
         return f"no {self.method!r} draw has been kept yet: call bnn.run_chains(inputs, targets, ...) first"
 
-    def chain_draws(self) -> dict[str, torch.Tensor]:
-        """Every kept draw per chain, ``{name: (chains, draws, *shape)}`` (the arviz layout)."""
+    # ------------------------------------------------------------------ kept draws
+    def _kept(self) -> runner.KeptDraws:
         if not self.is_ready():
             raise NotFittedError(self._not_ready_message())
+        return runner.KeptDraws(self.sample_store)
+
+    def _placement(self) -> tuple[torch.device, torch.dtype]:
+        """Where the draws are evaluated: θ₀'s device and dtype."""
         ref = self.theta.values()[0]
-        return {n: t.transpose(0, 1) for n, t in self.sample_store.all(device=ref.device, dtype=ref.dtype).items()}
+        return ref.device, ref.dtype
 
-    def _pooled(self) -> dict[str, torch.Tensor]:
-        return {n: t.reshape(-1, *t.shape[2:]) for n, t in self.chain_draws().items()}
-
-    def posterior_mean(self):
-        """The mean of the kept draws over every chain (the starting point before any draw)."""
-        if not self.is_ready():
-            return self.theta.as_dict()
-        return {n: t.mean(0) for n, t in self._pooled().items()}
-
-    def posterior_std(self):
-        """The std of the kept draws over every chain (0 before any draw)."""
-        if not self.is_ready():
-            return {n: torch.zeros_like(t) for n, t in self.theta.items()}
-        return {n: t.std(0, unbiased=False) for n, t in self._pooled().items()}
-
-    def sample(self, num_samples: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """S kept draws spread evenly over all chains' draws (deterministic; ``generator`` unused).
+    def chain_draws(self) -> dict[str, torch.Tensor]:
+        """Every kept draw per chain, ``{name: (chains, draws, *shape)}`` (the arviz layout).
 
         Raises:
             NotFittedError: before :meth:`run_chains`.
         """
-        num_samples = check_int("num_samples", num_samples, minimum=1)
-        self._check_ready()
-        pooled = self._pooled()
-        count = next(iter(pooled.values())).shape[0]
-        idx = spread_indices(num_samples, count)
-        return {n: t.index_select(0, idx.to(t.device)) for n, t in pooled.items()}
+        return self._kept().by_chain(*self._placement())
 
-    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
-        """Outputs under S kept draws chosen once (evenly spread over every chain), evaluated in chunks."""
-        pooled = self._pooled()
-        count = next(iter(pooled.values())).shape[0]
-        idx = spread_indices(num_samples, count)
-        outs = []
-        for i in range(0, num_samples, self.chunk_size):
-            part = idx[i:i + self.chunk_size]
-            outs.append(self._forward_many({n: t.index_select(0, part.to(t.device)) for n, t in pooled.items()}, x))
-        return torch.cat(outs, 0)
+    def _pooled(self) -> dict[str, torch.Tensor]:
+        return {n: t.reshape(-1, *t.shape[2:]) for n, t in self.chain_draws().items()}
 
     def get_extra_state(self):
         return {**super().get_extra_state(), "num_chains": int(self.num_chains), "stats": dict(self.stats)}
@@ -166,14 +183,20 @@ class FullBatchMCMC(BayesianModel):
         self.stats = dict(state.get("stats", {}))
 
     # ------------------------------------------------------------------ the potential
+    def _neg_log_prior(self, theta: dict[str, torch.Tensor]) -> torch.Tensor:
+        """−log p(θ) up to a constant (nats), the term :meth:`regularizer` gives at θ₀."""
+        return self.prior.penalty(theta, fused=False)
+
     def _energy(self, x, y, layout: FlatLayout):
-        """U(θ) = N · mean NLL + kl_weight · (−log p(θ)), as a function of one flat vector θ (P,)."""
+        """U(θ) = N · mean NLL + kl_weight · (−log p(θ)) = N · ``loss(x, y)`` at θ, of one flat vector θ (P,):
+        the likelihood through the functional call of the training forward, the prior term of :meth:`regularizer`.
+        """
         n_data = self.num_data
 
         def energy(vec):
             theta = layout.unflatten(vec)
             nll = self.likelihood.nll(self.forward_with(theta, x), y)
-            return n_data * nll + self.kl_weight * self.prior.penalty(theta, fused=False)
+            return n_data * nll + self.kl_weight * self._neg_log_prior(theta)
 
         return energy
 

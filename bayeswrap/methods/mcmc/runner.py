@@ -5,7 +5,8 @@ noise, or given states), checks that U(θ) is finite there, sets the kernel up
 (:class:`~bayeswrap.methods.mcmc.kernel.MCMCKernel`) and steps it ``num_warmup + num_samples`` times. The warm-up
 transitions are only for the kernel's adaptation; of the others it counts acceptances and divergences and offers
 every ``thinning``-th state to a :class:`~bayeswrap.core.samples.SampleStore` (memory-bounded, thinned by two when
-full), the same store SGLD keeps its iterates in. A kernel knows nothing of this.
+full), the same store SGLD keeps its iterates in. A kernel knows nothing of this. :class:`KeptDraws` reads the
+store back per chain (the arviz layout) or pooled over the chains (what the ``StoredDraws`` predictive evaluates).
 
 :func:`chain_diagnostics` reports rank-normalised split R-hat, bulk and tail ESS per parameter tensor
 (:mod:`bayeswrap.evaluation.convergence`) with the run's acceptance rates, step sizes or proposal scales and
@@ -25,7 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from bayeswrap.core.checks import check_float, check_int
-from bayeswrap.core.samples import SampleStore
+from bayeswrap.core.samples import SampleStore, spread_indices
 from bayeswrap.evaluation import convergence as diag
 from bayeswrap.methods.mcmc.kernel import ChainState, MCMCKernel
 from bayeswrap.methods.mcmc.potential import FlatLayout, Potential
@@ -68,12 +69,11 @@ def check_budget(options: Mapping, *, default_chains: int, max_samples: int, for
         ValueError: naming the option, its value and what is accepted, for a bad value, more than
             :data:`MAX_ITERATIONS` iterations, or (``for_diagnostics``) too few kept draws.
     """
-    out = {"num_samples": check_int("num_samples", options["num_samples"], minimum=0),
-           "num_warmup": check_int("num_warmup", options["num_warmup"], minimum=0),
-           "num_chains": default_chains if options["num_chains"] is None else check_int(
-               "num_chains", options["num_chains"], minimum=1),
-           "thinning": check_int("thinning", options["thinning"], minimum=1),
-           "init_jitter": check_float("init_jitter", options["init_jitter"], low=0.0)}
+    out = {name: check_int(name, options[name], minimum=0) for name in ("num_samples", "num_warmup")}  # iterations
+    out.update(num_chains=default_chains if options["num_chains"] is None else check_int(
+                   "num_chains", options["num_chains"], minimum=1),
+               thinning=check_int("thinning", options["thinning"], minimum=1),
+               init_jitter=check_float("init_jitter", options["init_jitter"], low=0.0))
     if out["num_warmup"] + out["num_samples"] > MAX_ITERATIONS:
         raise ValueError(f"num_warmup={out['num_warmup']} + num_samples={out['num_samples']} iterations is "
                          f"above the bound of {MAX_ITERATIONS:,} per run_chains call; accepted: at most "
@@ -88,6 +88,40 @@ def check_budget(options: Mapping, *, default_chains: int, max_samples: int, for
                          f"{max_samples} keeps {kept} draw(s) per chain; the diagnostics (split R-hat, "
                          f"ESS) need at least {MIN_KEPT_DRAWS} per chain; accepted: {fix}")
     return out
+
+
+class KeptDraws:
+    """The kept draws of C chains, read from a :class:`~bayeswrap.core.samples.SampleStore` whose rows are states
+    ``{name: (C, *shape)}`` (D rows), per chain or pooled over the chains.
+
+    Pooled draw i, in chain order (chain 0's D draws, then chain 1's, ...), is row i mod D of chain i // D.
+    :meth:`indices` and :meth:`draws` are the store API of the
+    :class:`~bayeswrap.methods.predictives.StoredDraws` predictive, over the C·D pooled draws.
+
+    Args:
+        store: the store the runner offered the states to (non-empty).
+    """
+
+    def __init__(self, store: SampleStore):
+        self.store = store
+        self.num_chains = store.shapes[store.names[0]][0]
+
+    def by_chain(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Every kept draw per chain, ``{name: (C, D, *shape)}`` (the arviz layout)."""
+        return {n: t.transpose(0, 1) for n, t in self.store.all(device=device, dtype=dtype).items()}
+
+    def indices(self, num_samples: int) -> torch.Tensor:
+        """S pooled-draw indices spread evenly over the C·D draws (:func:`~bayeswrap.core.samples.spread_indices`)."""
+        return spread_indices(num_samples, len(self.store) * self.num_chains)
+
+    def draws(self, indices: torch.Tensor, device: torch.device | None = None,
+              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The pooled draws at ``indices`` (int64 (S,)), ``{name: (S, *shape)}`` on ``device`` in ``dtype``."""
+        rows = len(self.store)
+        chain, row = indices.div(rows, rounding_mode="floor"), indices.remainder(rows)
+        states = self.store.draws(row, device=device, dtype=dtype)  # (S, C, *shape)
+        pick = torch.arange(len(indices))
+        return {n: t[pick.to(t.device), chain.to(t.device)] for n, t in states.items()}
 
 
 def starting_points(theta: Mapping[str, torch.Tensor], chains: int, init: Mapping[str, torch.Tensor] | None,
@@ -198,7 +232,7 @@ def chain_diagnostics(draws: Mapping[str, torch.Tensor], stats: Mapping) -> dict
     """Convergence diagnostics of kept draws.
 
     Args:
-        draws: ``{name: (chains, draws, *shape)}`` (the arviz layout).
+        draws: ``{name: (chains, draws, *shape)}`` (the arviz layout, :meth:`KeptDraws.by_chain`).
         stats: the run's statistics (:func:`sample_chains`); their acceptance rates, step sizes or proposal
             scales, divergences and seconds are reported with the diagnostics.
 
