@@ -17,8 +17,9 @@ from bayeswrap.core import distributed
 from bayeswrap.core.batches import NonFiniteInputError, batch_size, loader_pair, tensor_leaves
 from bayeswrap.core.checks import check_float, check_int
 from bayeswrap.core.functional import nonfinite_names
+from bayeswrap.core.modules import unwrap_compiled
 from bayeswrap.core.schedules import check_factor
-from bayeswrap.methods.base import BayesianModel, unwrap_compiled
+from bayeswrap.methods.base import BayesianModel
 from bayeswrap.predictive import evaluate, model_device
 
 

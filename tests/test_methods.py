@@ -7,6 +7,7 @@ import torchvision
 from torch import nn
 
 import bayeswrap as bw
+from bayeswrap.methods.predictives import forward_many
 
 METHODS = ["map", "vi", "mc_dropout", "sgld", "laplace", "lbbnn"]
 
@@ -64,7 +65,7 @@ def test_vmapped_samples_equal_one_by_one_forwards():
     bnn = _trained("vi", init_std=0.1)
     x, _ = _data(5, seed=3)
     thetas = bnn.sample(6, generator=torch.Generator().manual_seed(0))
-    batched = bnn._forward_many(thetas, x)
+    batched = forward_many(bnn, thetas, x)
     for i in range(6):
         torch.testing.assert_close(batched[i], bnn.forward_with({n: t[i] for n, t in thetas.items()}, x))
 

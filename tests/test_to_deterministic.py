@@ -94,8 +94,9 @@ def test_to_deterministic_is_the_deterministic_predictive_and_independent(case):
     assert type(net) is nn.Sequential and not net.training
     assert not any(t.is_meta for t in [*net.parameters(), *net.buffers()])
     with torch.no_grad():
-        model = {"model": "mpm"} if bnn.has_inclusion else {}
-        expected = bnn.forward_with(bnn.mpm_mean(), x) if bnn.has_inclusion else bnn._mean_outputs(x)[0]
+        mpm = hasattr(bnn, "mpm_mean")  # inclusion variables (LBBNN): the median probability model
+        model = {"model": "mpm"} if mpm else {}
+        expected = bnn.forward_with(bnn.mpm_mean(), x) if mpm else bnn._mean_outputs(x)[0]
         out = net(x)
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
         torch.testing.assert_close(out.softmax(-1), bnn.predict(x, num_samples=0, **model), rtol=0, atol=1e-6)

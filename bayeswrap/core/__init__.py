@@ -1,6 +1,7 @@
 """The functional substrate: knows no inference method and no run config.
 
 * :mod:`~bayeswrap.core.functional`: named tensors, parameter selection, the functional call on a storage-free copy.
+* :mod:`~bayeswrap.core.modules`: storage-free copies of a module, their materialised copies, unwrapping ``torch.compile``.
 * :mod:`~bayeswrap.core.batches`: ``(inputs, targets)`` batches and input checks.
 * :mod:`~bayeswrap.core.priors`, :mod:`~bayeswrap.core.likelihoods`: the Gaussian prior and the likelihoods.
 * :mod:`~bayeswrap.core.fused`: bucketed sample/penalty kernels and parallel CPU noise.

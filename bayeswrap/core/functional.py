@@ -420,3 +420,26 @@ def outside_inference_mode(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def check_finite_state(state_dict, skip: Iterable[str] = (), nan_only: Callable[[str], bool] | None = None) -> None:
+    """Refuses a state dict (a checkpoint about to be loaded) that holds NaN or inf, one check per tensor.
+
+    Args:
+        state_dict: ``{key: tensor}``.
+        skip: keys whose values may legitimately be non-finite (e.g. Laplace's unknown log-likelihood).
+        nan_only: optional predicate on the key: for those tensors only NaN counts (see :func:`nonfinite_names`).
+
+    Raises:
+        ValueError: if ``state_dict`` is not a mapping, or naming the first key whose tensor holds NaN or inf.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"state_dict must be a mapping from names to tensors (bnn.state_dict()), got "
+                         f"{type(state_dict).__name__}")
+    skip = set(skip)
+    bad = nonfinite_names(((k, v) for k, v in state_dict.items() if k not in skip), nan_only=nan_only)
+    if bad:
+        count = int((~torch.isfinite(state_dict[bad[0]])).sum())
+        raise ValueError(f"state_dict[{bad[0]!r}] contains {count} non-finite values (NaN or inf)"
+                         f"{f'; so do {bad[1:4]}' if len(bad) > 1 else ''}; accepted: a checkpoint with finite "
+                         "values (was it saved after training diverged?)")

@@ -1,50 +1,43 @@
 """The ``BayesianModel`` contract shared by every inference method.
 
-A method differs from the others in only a few places, each a method here:
-
-* ``_train_sample()``: the parameter value used for one training forward pass
-  (a reparameterised draw for VI, a dropout mask for MC-dropout, the iterate for
-  MAP/SGLD/Laplace);
-* ``regularizer()``: the KL or negative-log-prior term, in nats;
-* ``posterior_mean()`` / ``posterior_std()`` / ``sample()``: the approximate
-  posterior used by the posterior predictive;
-* ``after_step()`` / ``after_fit()``: hooks that :func:`bayeswrap.fit` calls
-  (SGLD collects moments, Laplace fits its curvature).
-
-Everything else (the functional forward, the loss, the posterior predictive,
-``state_dict``) lives here once.
+The public ``loss``, ``sample``, ``sample_logits`` and ``predict`` are template methods: they validate once here
+and no method overrides them (tests/test_contract.py; the ensemble's composite ``loss`` is the one exception).
+A method implements ``_init_posterior``, ``_train_sample`` (the parameters of one training forward),
+``regularizer`` (the KL or negative log prior, in nats), ``posterior_mean`` and ``posterior_std``; optionally
+``_draw`` (posterior draws; default: the diagonal Gaussian), ``default_predictive`` (a
+:mod:`~bayeswrap.methods.predictives` object; default: ``Sampled()``) and the hooks :func:`bayeswrap.fit` calls
+(``before_fit``, ``after_step``, ``after_fit``). The functional forward, the posterior predictive and the
+checkpoint checks live here once.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
-import sys
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.func import vmap
 
 from bayeswrap.core import fused
 from bayeswrap.core.batches import NonFiniteInputError, check_inputs_finite, class_labels, without_key
-from bayeswrap.core.checks import SCALE_RANGE, check_float, check_int, check_scale
+from bayeswrap.core.checks import SCALE_RANGE, check_float, check_int, check_scale  # noqa: F401 (re-exported)
 from bayeswrap.core.functional import (
     NamedTensors,
     ParamSelector,
     call,
-    nonfinite_names,
+    check_finite_state,
     select_parameters,
     split_state,
 )
-from bayeswrap.core.layers import LRTLayer, find_lrt_layers, lrt_copy
+from bayeswrap.core.layers import LRTLayer
 from bayeswrap.core.likelihoods import make_likelihood
+from bayeswrap.core.modules import check_model_tensors, materialised_copy, storage_free_copy, unwrap_compiled
 from bayeswrap.core.priors import GaussianPrior
-from bayeswrap.methods.predictives import Predictive, Sampled, chunked_outputs
+from bayeswrap.methods.param_groups import param_groups
+from bayeswrap.methods.predictives import Predictive, Sampled, chunked_outputs, given_predictive, refuse_options
 
 METHODS: dict[str, type[BayesianModel]] = {}
 
@@ -115,7 +108,7 @@ class BayesianModel(nn.Module, ABC):
     Args:
         model: any ``nn.Module``, e.g. a pretrained timm/torchvision ResNet or ViT,
             with real, finite weights (not on the ``meta`` device). A module compiled with
-            ``torch.compile`` is accepted and unwrapped (:func:`unwrap_compiled`): parameter names are the
+            ``torch.compile`` is accepted and unwrapped (:func:`~bayeswrap.core.modules.unwrap_compiled`): parameter names are the
             plain model's, without the ``_orig_mod.`` prefix.
         num_data: N, the number of training examples that scales the prior or KL
             term (BayesDLL's ``ND * Ninflate``). Integer ≥ 1 (numpy integers,
@@ -221,7 +214,7 @@ class BayesianModel(nn.Module, ABC):
             raise ValueError(f"noise_std='learn' is not accepted by method {self.method!r}; accepted: a fixed number "
                              "in [1e-18, 1e18] (or a method trained by bayeswrap.fit with one set of weights, e.g. "
                              "'map', 'vi' or 'laplace')")
-        _check_model_tensors(model)
+        check_model_tensors(model)
         dtypes = [t.dtype for t in model.parameters() if t.is_floating_point()]
         self.likelihood.to(dtypes[0] if dtypes else torch.get_default_dtype())  # a learned log σ in the model's dtype
 
@@ -235,8 +228,8 @@ class BayesianModel(nn.Module, ABC):
         self.frozen = NamedTensors({n: t for n, t in all_params.items() if n not in trainable}, trainable=False)
         self.model_buffers = NamedTensors(buffers, trainable=False)
         self.prior = GaussianPrior(init, self.prior_std, prior_mean, bias=self._prior_bias(bias))
-        self._skeleton = [_storage_free_copy(model)]
-        self._lrt: list[LRTLayer] = []  # set by methods with local reparameterisation (enable_local_reparam)
+        self._skeleton = [storage_free_copy(model)]
+        self._lrt: list[LRTLayer] = []  # set by methods with local reparameterisation (methods.lrt)
         self._vmap_ok = True
         self._init_posterior(init)
 
@@ -350,37 +343,11 @@ class BayesianModel(nn.Module, ABC):
         return self
 
     # ------------------------------------------------------------------ layer-level methods
-    #: whether the posterior has inclusion variables (LBBNN), which ``model="mpm"`` predictions need
-    has_inclusion = False
-
-    def enable_local_reparam(self) -> list[LRTLayer]:
-        """Switches supported layers to pre-activation sampling (see :mod:`bayeswrap.core.layers`).
-
-        Builds a second storage-free copy of the model in which each ``nn.Linear`` /
-        ``nn.Conv2d`` whose weight is Bayesian samples its pre-activations from
-        moments that the method passes as ``theta[name]`` (mean) and
-        ``theta[name + "_var"]`` (variance); see :meth:`forward_with`.
-
-        Returns:
-            The layers that got a local-reparameterisation forward.
-
-        Raises:
-            ValueError: if no Bayesian parameter is the weight of an ``nn.Linear`` or
-                ``nn.Conv2d`` (every other layer type falls back to weight sampling).
-        """
-        layers = find_lrt_layers(self.model, self.bayesian_names)
-        if not layers:
-            raise ValueError(f"local_reparam=True needs an nn.Linear or nn.Conv2d (padding_mode='zeros') whose "
-                             f"weight is Bayesian; the Bayesian parameters {self.bayesian_names[:6]} include none. "
-                             f"Accepted: local_reparam=False, or params= selecting such a layer's weight")
-        self._lrt = layers
-        self._skeleton = [self._skeleton[0], lrt_copy(self._skeleton[0], layers)]
-        self._lrt_var_names = {n for layer in layers for n in (layer.weight_var, layer.bias_var) if n}
-        return layers
-
     @property
     def lrt_layers(self) -> list[LRTLayer]:
-        """The layers whose pre-activations are sampled (empty without local reparameterisation)."""
+        """The layers whose pre-activations are sampled (empty without local reparameterisation,
+        :meth:`~bayeswrap.methods.lrt.LocalReparamMixin.enable_local_reparam`).
+        """
         return list(self._lrt)
 
     @property
@@ -401,59 +368,9 @@ class BayesianModel(nn.Module, ABC):
     def param_groups(self, head: Iterable[str] = (), lr_head: float | None = None) -> list[dict]:
         """Optimizer parameter groups: posterior parameters, then point estimates, then a learned noise std.
 
-        Each group is split further into the model's body and the parameters
-        whose model names are in ``head`` (e.g. a new classifier, which often
-        wants a larger learning rate, as in BayesDLL's ``lr_head``). Point-estimate
-        groups carry ``noise_scale=0.0`` so that :class:`bayeswrap.optim.SGLD`
-        adds no Langevin noise to non-Bayesian parameters; other optimizers
-        ignore the extra key. Posterior groups carry ``weight_decay=0.0``: their
-        prior is already in the loss (the KL or −log prior term), so an
-        optimizer's own weight decay (AdamW's default 0.01) would count it twice.
-        A learned noise std (``noise_std="learn"``) is its own group ``"likelihood"``, with
-        ``weight_decay=0.0`` (no prior on it) and ``noise_scale=0.0`` (a point estimate).
-        Empty groups are omitted.
-
-        Args:
-            head: model parameter names (as in ``model.named_parameters()``); a single
-                string is one name.
-            lr_head: learning rate of the head groups (set as the group's ``lr``),
-                ``None`` or a finite number > 0.
-
-        Returns:
-            ``[{"params": [...], "name": "posterior" | "posterior/head" | "point" | "point/head" | "likelihood",
-            ...}]``.
-
-        Raises:
-            ValueError: if a ``head`` name is not a parameter of the wrapped model (it
-                would silently get the body's learning rate), or ``lr_head`` is not
-                ``None`` or a finite number > 0.
+        See :func:`bayeswrap.methods.param_groups.param_groups` (the groups' names and settings, and the errors).
         """
-        head = {head} if isinstance(head, str) else set(head)
-        unknown = sorted(head - {n for n, _ in self.model.named_parameters(remove_duplicate=False)}, key=str)
-        if unknown:
-            raise ValueError(f"head names {unknown[:8]} are not parameters of the wrapped model; accepted: names "
-                             f"from model.named_parameters(), e.g. {[*self.bayesian_names, *self.point][-4:]}")
-        lr_head = check_float("lr_head", lr_head, low=0.0, low_open=True, allow_none=True)
-        groups: dict[str, dict] = {}
-        for full_name, p in self.named_parameters():
-            container, mangled = full_name.split(".", 1)
-            if container == "likelihood":  # a learned noise std: a point estimate without prior
-                groups.setdefault("likelihood", {"params": [], "name": "likelihood", "noise_scale": 0.0,
-                                                 "weight_decay": 0.0})["params"].append(p)
-                continue
-            name = "point" if container == "point" else "posterior"
-            if mangled.replace("/", ".") in head:
-                name += "/head"
-            group = groups.setdefault(name, {"params": [], "name": name})
-            group["params"].append(p)
-            if name.startswith("point"):
-                group["noise_scale"] = 0.0
-            else:
-                group["weight_decay"] = 0.0
-            if name.endswith("/head") and lr_head is not None:
-                group["lr"] = lr_head
-        order = ["posterior", "posterior/head", "point", "point/head", "likelihood"]
-        return [groups[k] for k in order if k in groups]
+        return param_groups(self, head, lr_head)
 
     def forward_with(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
         """Evaluates the model with Bayesian parameters ``theta`` (point estimates as they are).
@@ -592,7 +509,7 @@ class BayesianModel(nn.Module, ABC):
             ValueError: on a ``model`` the method does not accept.
             TypeError: on an option the method does not take, naming it and the accepted ones.
         """
-        _refuse_options(self, options, ("model",))
+        refuse_options(self.method, options, ("model",))
         if model != "full":
             raise ValueError(f"model={model!r} is not accepted by method {self.method!r}; accepted: 'full' (the "
                              "median probability model needs inclusion variables: method 'lbbnn')")
@@ -625,10 +542,7 @@ class BayesianModel(nn.Module, ABC):
                 or ``predictive`` is given together with ``model``/options.
             TypeError: on an option the method does not take, or a ``predictive`` that is not a Predictive.
         """
-        num_samples = check_int("num_samples", num_samples, minimum=1)
-        chosen = _chosen_predictive(self, predictive, model, options)
-        self._check_ready()
-        check_inputs_finite(x)
+        num_samples, chosen = _checked_call(self, x, num_samples, 1, predictive, model, options)
         return chosen.outputs(self, x, num_samples, generator)
 
     def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None,
@@ -636,38 +550,6 @@ class BayesianModel(nn.Module, ABC):
         """Transitional: :class:`Sampled`'s chunk loop over ``sample`` (default :meth:`sample`)."""
         return chunked_outputs(self, x, num_samples, generator,
                                sample or (lambda s, g: self.sample(s, generator=g)))
-
-    def _forward_many(self, thetas: dict[str, torch.Tensor], x) -> torch.Tensor:
-        """Outputs under each of the stacked samples ``thetas`` ({name: (S, *shape)}), (S, B, ...).
-
-        One ``vmap`` over the samples where possible. If ``vmap`` fails, the samples
-        are evaluated one at a time: if that fails too, the error is the model's
-        own (e.g. an input of the wrong shape) and is raised as it is, with vmap
-        left on; only if it succeeds is the model taken to lack a batching rule,
-        and vmap is switched off for this model (with one warning).
-        """
-        count = next(iter(thetas.values())).shape[0]
-        sequential = count == 1 or not self._vmap_ok or (self.training and len(self.model_buffers) > 0)
-        vmap_error = None
-        if not sequential:
-            try:
-                out = vmap(lambda th: self.forward_with(th, x), randomness="different")(thetas)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as err:  # maybe an op without a batching rule: decided below
-                vmap_error = err
-            else:
-                self.likelihood.check_outputs(out[0] if isinstance(out, torch.Tensor) else out)
-                return out
-        outs = [self.forward_with({n: t[i] for n, t in thetas.items()}, x) for i in range(count)]
-        self.likelihood.check_outputs(outs[0])
-        out = torch.stack(outs)
-        if vmap_error is not None:  # the samples run one at a time but not under vmap: a genuine vmap limitation
-            self._vmap_ok = False
-            warnings.warn(f"vmap over posterior samples failed ({type(vmap_error).__name__}: {vmap_error}); "
-                          "this model's samples are evaluated one at a time from now on", RuntimeWarning,
-                          stacklevel=4)
-        return out
 
     @torch.no_grad()
     def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None, model: str = "full", *,
@@ -707,10 +589,7 @@ class BayesianModel(nn.Module, ABC):
             TypeError: if the model does not return a tensor, on an option the method does not take,
                 or a ``predictive`` that is not a Predictive.
         """
-        num_samples = check_int("num_samples", num_samples, minimum=0)
-        chosen = _chosen_predictive(self, predictive, model, options)
-        self._check_ready()
-        check_inputs_finite(x)
+        num_samples, chosen = _checked_call(self, x, num_samples, 0, predictive, model, options)
         return chosen.predict(self, x, num_samples, generator)
 
     def _predictive(self, outs: torch.Tensor):
@@ -763,7 +642,7 @@ class BayesianModel(nn.Module, ABC):
                              "separate structure to fill; build the module yourself and load "
                              "bnn.posterior_mean() into it")
         with torch.no_grad():
-            return _materialised_copy(skeleton, values, self._deterministic_buffers()).eval()
+            return materialised_copy(skeleton, values, self._deterministic_buffers()).eval()
 
     # ------------------------------------------------------------------ checkpoints
     #: state_dict keys whose values may legitimately be NaN or inf (e.g. Laplace's unknown log-likelihood)
@@ -780,16 +659,7 @@ class BayesianModel(nn.Module, ABC):
                 checkpoint of another method or other Bayesian parameters.
             RuntimeError: as ``nn.Module.load_state_dict`` for missing/unexpected keys or shapes.
         """
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(f"state_dict must be a mapping from names to tensors (bnn.state_dict()), got "
-                             f"{type(state_dict).__name__}")
-        bad = nonfinite_names(((k, v) for k, v in state_dict.items() if k not in self._nonfinite_state_keys),
-                              nan_only=lambda k: k.startswith("model_buffers."))
-        if bad:
-            count = int((~torch.isfinite(state_dict[bad[0]])).sum())
-            raise ValueError(f"state_dict[{bad[0]!r}] contains {count} non-finite values (NaN or inf)"
-                             f"{f'; so do {bad[1:4]}' if len(bad) > 1 else ''}; accepted: a checkpoint with finite "
-                             "values (was it saved after training diverged?)")
+        check_finite_state(state_dict, skip=self._nonfinite_state_keys, nan_only=lambda k: k.startswith("model_buffers."))
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def get_extra_state(self):
@@ -806,25 +676,19 @@ class BayesianModel(nn.Module, ABC):
                              f"only in model {sorted(ours - theirs)[:8]}")
 
 
-def _chosen_predictive(bnn: BayesianModel, predictive, model: str, options: dict) -> Predictive:
-    """``predictive``, or the method's default for the legacy ``model``/options (never both)."""
-    if predictive is None:
-        return bnn.default_predictive(model=model, **options)
-    if not isinstance(predictive, Predictive):
-        raise TypeError(f"predictive={predictive!r} is not accepted; accepted: a bayeswrap.methods.predictives."
-                        "Predictive, e.g. Sampled() or PosteriorMean()")
-    if model != "full" or options:
-        given = {**({"model": model} if model != "full" else {}), **options}
-        raise ValueError(f"predictive={predictive!r} and {given} were both given; accepted: one of them (the "
-                         "options only choose the default predictive)")
-    return predictive
+def _checked_call(bnn: BayesianModel, x, num_samples, minimum: int, predictive, model: str,
+                  options: dict) -> tuple[int, Predictive]:
+    """The checks of :meth:`BayesianModel.predict` and :meth:`~BayesianModel.sample_logits`, once per call.
 
-
-def _refuse_options(bnn: BayesianModel, options: dict, accepted: tuple[str, ...]) -> None:
-    """A TypeError naming the predictive options ``bnn`` does not take, and the ones it does."""
-    if options:
-        raise TypeError(f"predictive option(s) {sorted(options)} are not accepted by method {bnn.method!r}; "
-                        f"accepted: {', '.join(accepted)} (or predictive=)")
+    S as an int (at least ``minimum``), then the predictive (``predictive``, or the method's default for the
+    legacy ``model``/options, never both), then that the posterior exists and that ``x`` is finite.
+    """
+    num_samples = check_int("num_samples", num_samples, minimum=minimum)
+    chosen = bnn.default_predictive(model=model, **options) if predictive is None else \
+        given_predictive(predictive, model, options)
+    bnn._check_ready()
+    check_inputs_finite(x)
+    return num_samples, chosen
 
 
 def _check_key(name: str, value) -> str:
@@ -833,94 +697,3 @@ def _check_key(name: str, value) -> str:
         raise ValueError(f"{name}={value!r} is not accepted; accepted: a non-empty string key such as "
                          f"{'logits' if name == 'output_key' else 'labels'!r}")
     return value
-
-
-def _check_model_tensors(model: nn.Module) -> None:
-    """Refuses models whose weights cannot become the initial posterior and prior mean (once, at wrap time)."""
-    named = list(model.named_parameters()) + list(model.named_buffers())
-    lazy = [n for n, t in named if nn.parameter.is_lazy(t)]
-    if lazy:
-        raise ValueError(f"the model has uninitialised (lazy) tensors, e.g. {lazy[:3]}; run one forward pass "
-                         "before wrapping it so that their shapes are known")
-    meta = [n for n, t in named if t.is_meta]
-    if meta:
-        raise ValueError(f"the model's tensors are on the 'meta' device (e.g. {meta[:3]}), which holds no values: "
-                         "they cannot become the prior mean and the initial posterior; accepted: a model with "
-                         "real weights (materialise it first, e.g. model.to_empty(device='cpu') and then "
-                         "model.load_state_dict(weights))")
-    bad = nonfinite_names(model.named_parameters())
-    if bad:
-        t = dict(model.named_parameters())[bad[0]]
-        raise ValueError(f"the model's parameter {bad[0]!r} contains {int((~torch.isfinite(t)).sum())} non-finite "
-                         f"values (NaN or inf){f'; so do {bad[1:4]}' if len(bad) > 1 else ''}; bayeswrap copies "
-                         "the weights as the initial posterior and the prior mean, so they must be finite")
-    bad = nonfinite_names(model.named_buffers(), nan_only=lambda n: True)
-    if bad:
-        raise ValueError(f"the model's buffer {bad[0]!r} contains NaN; accepted: buffers without NaN "
-                         "(e.g. reset BatchNorm statistics with module.reset_running_stats())")
-
-
-def _materialised_copy(skeleton: nn.Module, params: Mapping[str, torch.Tensor],
-                       buffers: Mapping[str, torch.Tensor]) -> nn.Module:
-    """A deep copy of the storage-free ``skeleton`` whose meta tensors are replaced by copies of ``params``/``buffers``.
-
-    Tied tensors (one tensor under several names) stay tied: one copy, found under any of the names.
-
-    Raises:
-        ValueError: naming a parameter or buffer of the skeleton that has no value.
-    """
-    net = copy.deepcopy(skeleton)
-    for values, parameter in ((params, True), (buffers, False)):
-        groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        named = net.named_parameters(remove_duplicate=False) if parameter else net.named_buffers(remove_duplicate=False)
-        for name, t in named:
-            groups.setdefault(id(t), []).append((name, t))
-        for aliases in groups.values():
-            canonical = next((n for n, _ in aliases if n in values), None)
-            if canonical is None:
-                raise ValueError(f"no value for {aliases[0][0]!r} of the wrapped model")
-            value = values[canonical].detach().clone()
-            new = nn.Parameter(value, requires_grad=aliases[0][1].requires_grad) if parameter else value
-            for name, _ in aliases:
-                prefix, _, leaf = name.rpartition(".")
-                owner = net.get_submodule(prefix) if prefix else net
-                (owner._parameters if parameter else owner._buffers)[leaf] = new
-    return net
-
-
-def unwrap_compiled(model: nn.Module) -> nn.Module:
-    """The module that ``torch.compile(module)`` wrapped (its ``_orig_mod``), or ``model`` itself.
-
-    bayeswrap evaluates the model with ``torch.func.functional_call`` on a storage-free copy of its
-    structure, which calls the modules' ``forward`` eagerly: a compiled wrapper's graph would never run.
-    Wrapping the original keeps the parameter names (no ``_orig_mod.`` prefix), so ``params`` patterns,
-    checkpoints and :func:`bayeswrap.save` files match the plain model.
-
-    Args:
-        model: any ``nn.Module``; a ``torch._dynamo`` ``OptimizedModule`` (possibly nested) is unwrapped.
-
-    Returns:
-        The innermost original module (the same object, never a copy).
-    """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
-    while eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
-        model = model._orig_mod
-    return model
-
-
-def _storage_free_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers live on the ``meta`` device (no memory).
-
-    The copy is made with a ``deepcopy`` memo that maps every tensor to a meta
-    tensor of the same shape, so tied parameters stay tied and no real
-    parameter memory is duplicated, even transiently.
-    """
-    memo = {}
-    for t in model.parameters():
-        memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    try:
-        return copy.deepcopy(model, memo)
-    except Exception:  # modules that cannot be deep-copied are used as-is (still never written to)
-        return model

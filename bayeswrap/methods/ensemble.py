@@ -57,6 +57,7 @@ from bayeswrap.core.batches import class_labels
 from bayeswrap.core.checks import check_int
 from bayeswrap.core.functional import NamedTensors
 from bayeswrap.core.likelihoods import at_least_float32
+from bayeswrap.core.modules import unwrap_compiled
 from bayeswrap.methods.base import (
     COMMON_OPTIONS,
     METHODS,
@@ -64,10 +65,9 @@ from bayeswrap.methods.base import (
     LossOutput,
     method_option_defaults,
     register_method,
-    unwrap_compiled,
 )
 from bayeswrap.methods.map import MAP
-from bayeswrap.methods.predictives import Mixture, Predictive
+from bayeswrap.methods.predictives import Mixture, Predictive, mixture
 
 #: accepted values of ``parallel``
 PARALLEL = ("auto", "vmap", "sequential")
@@ -414,17 +414,7 @@ class Ensemble(BayesianModel):
     def _point_predictive(self, x):
         """The equal-weight mixture of the members' training-state predictives (validation before collection)."""
         preds = [member._point_predictive(x) for member in self.members]
-        return self._mixture(preds, [1.0 / len(preds)] * len(preds))
-
-    def _mixture(self, preds: list, weights: list[float]):
-        """Σ_m w_m p_m of the members' predictives: probabilities (categorical), or the mixture's mean and variance
-        Σ w (v + μ²) − (Σ w μ)² of their ``(mean, variance)`` pairs (Gaussian).
-        """
-        if self.likelihood.name == "categorical":
-            return sum(w * p for w, p in zip(weights, preds))
-        mean = sum(w * p[0] for w, p in zip(weights, preds))
-        second = sum(w * (p[1] + p[0].pow(2)) for w, p in zip(weights, preds))
-        return mean, (second - mean.pow(2)).clamp_min(0)
+        return mixture(self.likelihood.name, preds, [1.0 / len(preds)] * len(preds))
 
     def to_deterministic(self) -> nn.Module:
         """Refused: an ensemble has no single mean network.

@@ -34,8 +34,8 @@ from torch import nn
 
 from bayeswrap._version import __version__
 from bayeswrap.core.io import CheckpointError, atomic_write, load_checkpoint
+from bayeswrap.core.modules import unwrap_compiled
 from bayeswrap.methods import METHODS, BayesianModel, wrap
-from bayeswrap.methods.base import unwrap_compiled
 
 #: the ``format`` entry of a file written by :func:`save`
 FORMAT = "bayeswrap.save"

@@ -21,11 +21,13 @@ Every ``outputs`` returns the model's outputs of shape (S, B, ...) (one row per 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch.func import vmap
 
 from bayeswrap.core.batches import x_device
 
@@ -139,7 +141,7 @@ class StoredDraws(Predictive):
             device, dtype = first.device, first.dtype
         indices = store.indices(num_samples)
         chunk = bnn.chunk_size
-        return torch.cat([bnn._forward_many(store.draws(indices[i:i + chunk], device, dtype), x)
+        return torch.cat([forward_many(bnn, store.draws(indices[i:i + chunk], device, dtype), x)
                           for i in range(0, num_samples, chunk)], 0)
 
 
@@ -181,7 +183,18 @@ class Mixture(Predictive):
                 draws = 0 if (num_samples == 0 or type(member) is MAP) else s
                 preds.append(member.predict(x, num_samples=draws, generator=generator))
                 weights.append(s / total)
-        return bnn._mixture(preds, weights)
+        return mixture(bnn.likelihood.name, preds, weights)
+
+
+def mixture(likelihood: str, preds: list, weights: list[float]):
+    """Σ_m w_m p_m of members' predictives: probabilities (``likelihood="categorical"``), or the mixture's mean and
+    variance Σ w (v + μ²) − (Σ w μ)² of their ``(mean, variance)`` pairs (Gaussian, heteroscedastic).
+    """
+    if likelihood == "categorical":
+        return sum(w * p for w, p in zip(weights, preds))
+    mean = sum(w * p[0] for w, p in zip(weights, preds))
+    second = sum(w * (p[1] + p[0].pow(2)) for w, p in zip(weights, preds))
+    return mean, (second - mean.pow(2)).clamp_min(0)
 
 
 def chunked_outputs(bnn: BayesianModel, x, num_samples: int, generator: torch.Generator | None, draw: Draw,
@@ -197,12 +210,73 @@ def chunked_outputs(bnn: BayesianModel, x, num_samples: int, generator: torch.Ge
             seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
             with torch.random.fork_rng(devices=[] if x_device(x).type == "cpu" else [x_device(x)]):
                 torch.manual_seed(seed)
-                outs.append(bnn._forward_many(thetas, x))
+                outs.append(forward_many(bnn, thetas, x))
         else:
-            outs.append(bnn._forward_many(thetas, x))
+            outs.append(forward_many(bnn, thetas, x))
     if forward is not None:
         bnn.likelihood.check_outputs(outs[0][0])
     return torch.cat(outs, 0)
+
+
+def forward_many(bnn: BayesianModel, thetas: dict[str, torch.Tensor], x) -> torch.Tensor:
+    """``bnn``'s outputs under each of the stacked samples ``thetas`` ({name: (S, *shape)}), (S, B, ...).
+
+    One ``vmap`` over the samples where possible. If ``vmap`` fails, the samples
+    are evaluated one at a time: if that fails too, the error is the model's
+    own (e.g. an input of the wrong shape) and is raised as it is, with vmap
+    left on; only if it succeeds is the model taken to lack a batching rule,
+    and vmap is switched off for this model (with one warning).
+    """
+    count = next(iter(thetas.values())).shape[0]
+    sequential = count == 1 or not bnn._vmap_ok or (bnn.training and len(bnn.model_buffers) > 0)
+    vmap_error = None
+    if not sequential:
+        try:
+            out = vmap(lambda th: bnn.forward_with(th, x), randomness="different")(thetas)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # maybe an op without a batching rule: decided below
+            vmap_error = err
+        else:
+            bnn.likelihood.check_outputs(out[0] if isinstance(out, torch.Tensor) else out)
+            return out
+    outs = [bnn.forward_with({n: t[i] for n, t in thetas.items()}, x) for i in range(count)]
+    bnn.likelihood.check_outputs(outs[0])
+    out = torch.stack(outs)
+    if vmap_error is not None:  # the samples run one at a time but not under vmap: a genuine vmap limitation
+        bnn._vmap_ok = False
+        warnings.warn(f"vmap over posterior samples failed ({type(vmap_error).__name__}: {vmap_error}); "
+                      "this model's samples are evaluated one at a time from now on", RuntimeWarning,
+                      stacklevel=5)
+    return out
+
+
+def given_predictive(predictive, model: str, options: dict) -> Predictive:
+    """``predictive=`` of a template method, checked to be a :class:`Predictive` given without the legacy options.
+
+    Raises:
+        TypeError: if ``predictive`` is not a :class:`Predictive`.
+        ValueError: if ``model`` (other than ``"full"``) or other options were given with it.
+    """
+    if not isinstance(predictive, Predictive):
+        raise TypeError(f"predictive={predictive!r} is not accepted; accepted: a bayeswrap.methods.predictives."
+                        "Predictive, e.g. Sampled() or PosteriorMean()")
+    if model != "full" or options:
+        given = {**({"model": model} if model != "full" else {}), **options}
+        raise ValueError(f"predictive={predictive!r} and {given} were both given; accepted: one of them (the "
+                         "options only choose the default predictive)")
+    return predictive
+
+
+def refuse_options(method: str, options: dict, accepted: tuple[str, ...]) -> None:
+    """For ``default_predictive``: a TypeError naming the predictive options (if any) that ``method`` does not take.
+
+    Raises:
+        TypeError: if ``options`` is not empty, naming them and listing ``accepted``.
+    """
+    if options:
+        raise TypeError(f"predictive option(s) {sorted(options)} are not accepted by method {method!r}; "
+                        f"accepted: {', '.join(accepted)} (or predictive=)")
 
 
 def _overrides(bnn, name: str) -> bool:

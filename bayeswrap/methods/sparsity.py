@@ -205,7 +205,7 @@ def pruning_masks(bnn: BayesianModel, rule: str | None = None, threshold: float 
     """
     rule, t = check_rule(rule, threshold, _default_rule(bnn))
     if rule == "inclusion":
-        if not getattr(bnn, "has_inclusion", False):
+        if not hasattr(bnn, "inclusion_probs"):  # no inclusion variables
             raise ValueError(f"rule='inclusion' needs inclusion variables; method {bnn.method!r} has none "
                              f"(accepted: 'log_alpha', 'snr', or method 'lbbnn')")
         with torch.no_grad():

@@ -56,6 +56,7 @@ from bayeswrap.core.functional import NamedTensors
 from bayeswrap.core.fused import mean_field_sample, standard_normal_like
 from bayeswrap.core.layers import lrt_names, lrt_theta
 from bayeswrap.methods.base import BayesianModel, check_int, check_scale, register_method
+from bayeswrap.methods.lrt import LocalReparamMixin
 from bayeswrap.methods.sparsity import SparsityMixin
 
 #: c, the curvature of the per-datum ELBO in ρ at the mean-field optimum (see the module docstring)
@@ -68,7 +69,7 @@ def log_std_scale(num_data: int, kl_weight: float) -> float:
 
 
 @register_method("vi")
-class VI(SparsityMixin, BayesianModel):  # + sparsity/prune/prune_random/to_deterministic (bayeswrap.methods.sparsity)
+class VI(SparsityMixin, LocalReparamMixin, BayesianModel):  # + sparsity/prune/prune_random/to_deterministic (bayeswrap.methods.sparsity)
     """Mean-field Gaussian VI over the Bayesian parameters.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:

@@ -77,6 +77,7 @@ from bayeswrap.core.functional import NamedTensors, is_bias
 from bayeswrap.core.layers import lrt_names, lrt_theta
 from bayeswrap.methods.base import BayesianModel, register_method
 from bayeswrap.methods.lbbnn.flows import MultiplicativeFlow
+from bayeswrap.methods.lrt import LocalReparamMixin
 from bayeswrap.methods.predictives import MedianModel, Predictive
 from bayeswrap.methods.sparsity import PRUNED_RHO, SparsityMixin
 
@@ -85,7 +86,7 @@ INCLUDED_LOGIT = 1.0e4
 
 
 @register_method("lbbnn")
-class LBBNN(SparsityMixin, BayesianModel):
+class LBBNN(SparsityMixin, LocalReparamMixin, BayesianModel):
     """A latent binary Bayesian neural network over the Bayesian parameters.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` (``prior_std`` is σ_p)
@@ -120,7 +121,6 @@ class LBBNN(SparsityMixin, BayesianModel):
         flows: ``{layer path: MultiplicativeFlow}`` (flows only).
     """
 
-    has_inclusion = True
     #: AdamW at 0.01, as the LBBNN papers train (Hubin & Storvik 2019; Skaaret-Lund et al. 2023)
     recommended = {"optimizer": "adamw", "lr": 0.01}
     default_sparsity_rule = "inclusion"
