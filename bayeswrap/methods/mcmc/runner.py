@@ -70,10 +70,10 @@ def check_budget(options: Mapping, *, default_chains: int, max_samples: int, for
             :data:`MAX_ITERATIONS` iterations, or (``for_diagnostics``) too few kept draws.
     """
     out = {name: check_int(name, options[name], minimum=0) for name in ("num_samples", "num_warmup")}  # iterations
-    out.update(num_chains=default_chains if options["num_chains"] is None else check_int(
-                   "num_chains", options["num_chains"], minimum=1),
-               thinning=check_int("thinning", options["thinning"], minimum=1),
-               init_jitter=check_float("init_jitter", options["init_jitter"], low=0.0))
+    chains = options["num_chains"]
+    out["num_chains"] = default_chains if chains is None else check_int("num_chains", chains, minimum=1)
+    out["thinning"] = check_int("thinning", options["thinning"], minimum=1)
+    out["init_jitter"] = check_float("init_jitter", options["init_jitter"], low=0.0)
     if out["num_warmup"] + out["num_samples"] > MAX_ITERATIONS:
         raise ValueError(f"num_warmup={out['num_warmup']} + num_samples={out['num_samples']} iterations is "
                          f"above the bound of {MAX_ITERATIONS:,} per run_chains call; accepted: at most "
