@@ -100,7 +100,7 @@ def test_sampled_and_posterior_mean_objects():
     x, _ = _data(10)
     torch.testing.assert_close(bnn.predict(x, 5, _gen(), predictive=Sampled()), bnn.predict(x, 5, _gen()),
                                rtol=0, atol=0)
-    half = Sampled(draw=lambda s, g: {n: m.expand(s, *m.shape) for n, m in bnn.posterior_mean().items()})
+    half = Sampled(draw=lambda b, s, g: {n: m.expand(s, *m.shape) for n, m in b.posterior_mean().items()})
     torch.testing.assert_close(bnn.predict(x, 3, predictive=half), bnn.predict(x, 0), rtol=0, atol=1e-6)
     torch.testing.assert_close(bnn.predict(x, 3, predictive=PosteriorMean()), bnn.predict(x, 0), rtol=0, atol=0)
     assert bnn.sample_logits(x, 3, predictive=PosteriorMean()).shape == (1, 10, 3)
@@ -165,7 +165,7 @@ def test_swag_batchnorm_refresh_object():
     from bayeswrap.methods.predictives import Sampled
 
     _, bnn, x = _swag_bn()
-    refresh = Sampled(forward=bnn._forward_bn)
+    refresh = Sampled(forward=type(bnn)._forward_bn)
     torch.testing.assert_close(bnn.predict(x, 3, _gen(), predictive=refresh), bnn.predict(x, 3, _gen()),
                                rtol=0, atol=0)
     plain = bnn.predict(x, 3, _gen(), predictive=Sampled())  # the stored statistics: a different predictive
@@ -194,7 +194,7 @@ def test_mc_dropout_layers_object():
 
     bnn = bw.wrap(_mlp(dropout=True), "mc_dropout", num_data=64, mode="layers").eval()
     x, _ = _data(10)
-    active = Sampled(context=bnn._dropout_context)
+    active = Sampled(context=type(bnn)._dropout_context)
     torch.testing.assert_close(bnn.predict(x, 4, _gen(), predictive=active), bnn.predict(x, 4, _gen()),
                                rtol=0, atol=0)
     # without the context the dropout modules stay off: every draw is the mean network
@@ -248,4 +248,4 @@ def test_legacy_options_and_predictive_objects_are_checked():
         lbbnn.sample_logits(x, 2, model="median")
     with pytest.raises(ValueError, match=r"num_samples"):  # S is checked before the predictive is used
         bnn.sample_logits(x, 0, predictive=Sampled())
-    assert "forward=" in repr(Sampled(forward=bnn.forward_with)) and repr(MedianModel()) == "MedianModel()"
+    assert "forward=" in repr(Sampled(forward=type(bnn).forward_with)) and repr(MedianModel()) == "MedianModel()"

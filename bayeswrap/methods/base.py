@@ -37,7 +37,7 @@ from bayeswrap.core.likelihoods import make_likelihood
 from bayeswrap.core.modules import check_model_tensors, materialised_copy, storage_free_copy, unwrap_compiled
 from bayeswrap.core.priors import GaussianPrior
 from bayeswrap.methods.param_groups import param_groups
-from bayeswrap.methods.predictives import Predictive, Sampled, chunked_outputs, given_predictive, refuse_options
+from bayeswrap.methods.predictives import Predictive, Sampled, given_predictive, refuse_options
 
 METHODS: dict[str, type[BayesianModel]] = {}
 
@@ -509,7 +509,7 @@ class BayesianModel(nn.Module, ABC):
             ValueError: on a ``model`` the method does not accept.
             TypeError: on an option the method does not take, naming it and the accepted ones.
         """
-        refuse_options(self.method, options, ("model",))
+        refuse_options(self, options, ("model",))
         if model != "full":
             raise ValueError(f"model={model!r} is not accepted by method {self.method!r}; accepted: 'full' (the "
                              "median probability model needs inclusion variables: method 'lbbnn')")
@@ -545,11 +545,9 @@ class BayesianModel(nn.Module, ABC):
         num_samples, chosen = _checked_call(self, x, num_samples, 1, predictive, model, options)
         return chosen.outputs(self, x, num_samples, generator)
 
-    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None,
-                       sample=None) -> torch.Tensor:
-        """Transitional: :class:`Sampled`'s chunk loop over ``sample`` (default :meth:`sample`)."""
-        return chunked_outputs(self, x, num_samples, generator,
-                               sample or (lambda s, g: self.sample(s, generator=g)))
+    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
+        """Transitional, for Laplace's ``pred_type="nn"`` until methods/laplace is converted: ``Sampled()``'s outputs."""
+        return Sampled().outputs(self, x, num_samples, generator)
 
     @torch.no_grad()
     def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None, model: str = "full", *,

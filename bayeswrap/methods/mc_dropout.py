@@ -233,7 +233,7 @@ class MCDropout(BayesianModel):
             TypeError: on any other option.
         """
         default = super().default_predictive(model=model, **options)
-        return default if self.mode == "params" else Sampled(context=self._dropout_context)
+        return default if self.mode == "params" else Sampled(context=MCDropout._dropout_context)
 
     @contextlib.contextmanager
     def _dropout_context(self, x, generator: torch.Generator | None):

@@ -34,12 +34,12 @@ from bayeswrap.core.batches import x_device
 if TYPE_CHECKING:
     from bayeswrap.methods.base import BayesianModel
 
-#: ``draw(num_samples, generator) -> {name: (S, *shape)}``
-Draw = Callable[[int, "torch.Generator | None"], dict]
-#: ``forward(theta, x) -> outputs (B, ...)`` for one draw ``theta``
-Forward = Callable[[dict, object], torch.Tensor]
-#: ``context(x, generator) -> context manager`` around the evaluation of all draws
-Context = Callable[[object, "torch.Generator | None"], contextlib.AbstractContextManager]
+#: ``draw(bnn, num_samples, generator) -> {name: (S, *shape)}``
+Draw = Callable[["BayesianModel", int, "torch.Generator | None"], dict]
+#: ``forward(bnn, theta, x) -> outputs (B, ...)`` for one draw ``theta``
+Forward = Callable[["BayesianModel", dict, object], torch.Tensor]
+#: ``context(bnn, x, generator) -> context manager`` around the evaluation of all draws
+Context = Callable[["BayesianModel", object, "torch.Generator | None"], contextlib.AbstractContextManager]
 
 
 class Predictive(ABC):
@@ -80,11 +80,14 @@ class Sampled(Predictive):
     reparameterisation the pre-activation noise comes from the global RNG; with a ``generator`` it is seeded
     from it once per chunk (after the chunk's draws), so a seeded generator reproduces the outputs.
 
+    The callables take the model first, so that one object serves every model (e.g. an unbound method of the
+    method's class: ``Sampled(forward=SWAG._forward_bn)``).
+
     Args:
-        draw: optional ``draw(num_samples, generator) -> {name: (S, *shape)}`` replacing the method's draws.
-        forward: optional per-draw ``forward(theta, x) -> (B, ...)``: the draws are then evaluated one after
-            another with it (SWAG's BatchNorm refresh, Maddox et al. 2019, §4) instead of under ``vmap``.
-        context: optional ``context(x, generator) -> context manager`` entered once, before the first draw,
+        draw: optional ``draw(bnn, num_samples, generator) -> {name: (S, *shape)}`` replacing the method's draws.
+        forward: optional per-draw ``forward(bnn, theta, x) -> (B, ...)``: the draws are then evaluated one
+            after another with it (SWAG's BatchNorm refresh, Maddox et al. 2019, §4) instead of under ``vmap``.
+        context: optional ``context(bnn, x, generator) -> context manager`` entered once, before the first draw,
             around the evaluation of all draws (MC-dropout's layer mode: the dropout modules active and the
             global RNG seeded from ``generator``).
     """
@@ -95,8 +98,8 @@ class Sampled(Predictive):
     def outputs(self, bnn, x, num_samples, generator):
         if self.draw is None and self.forward is None and self.context is None and _overrides(bnn, "_sample_logits"):
             return bnn._sample_logits(x, num_samples, generator)  # transitional: a method not converted yet
-        draw = self.draw or (bnn.sample if _overrides(bnn, "sample") else bnn._draw)
-        with self.context(x, generator) if self.context is not None else contextlib.nullcontext():
+        draw = self.draw or (type(bnn).sample if _overrides(bnn, "sample") else type(bnn)._draw)
+        with self.context(bnn, x, generator) if self.context is not None else contextlib.nullcontext():
             return chunked_outputs(bnn, x, num_samples, generator, draw, self.forward)
 
     def __repr__(self) -> str:
@@ -153,7 +156,7 @@ class MedianModel(Predictive):
     """
 
     def outputs(self, bnn, x, num_samples, generator):
-        return chunked_outputs(bnn, x, num_samples, generator, lambda s, g: bnn._draw(s, g, mpm=True))
+        return chunked_outputs(bnn, x, num_samples, generator, _median_draw)
 
     def predict(self, bnn, x, num_samples, generator):
         if num_samples == 0:
@@ -197,15 +200,19 @@ def mixture(likelihood: str, preds: list, weights: list[float]):
     return mean, (second - mean.pow(2)).clamp_min(0)
 
 
+def _median_draw(bnn, num_samples: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+    return bnn._draw(num_samples, generator, mpm=True)
+
+
 def chunked_outputs(bnn: BayesianModel, x, num_samples: int, generator: torch.Generator | None, draw: Draw,
                     forward: Forward | None = None) -> torch.Tensor:
     """(S, B, ...) outputs of S draws made ``bnn.chunk_size`` at a time by ``draw``, see :class:`Sampled`."""
     outs = []
     for start in range(0, num_samples, bnn.chunk_size):
-        thetas = draw(min(bnn.chunk_size, num_samples - start), generator)
+        thetas = draw(bnn, min(bnn.chunk_size, num_samples - start), generator)
         if forward is not None:
             count = next(iter(thetas.values())).shape[0]
-            outs.extend(forward({n: t[i] for n, t in thetas.items()}, x).unsqueeze(0) for i in range(count))
+            outs.extend(forward(bnn, {n: t[i] for n, t in thetas.items()}, x).unsqueeze(0) for i in range(count))
         elif bnn._lrt and generator is not None:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
             with torch.random.fork_rng(devices=[] if x_device(x).type == "cpu" else [x_device(x)]):
@@ -268,14 +275,15 @@ def given_predictive(predictive, model: str, options: dict) -> Predictive:
     return predictive
 
 
-def refuse_options(method: str, options: dict, accepted: tuple[str, ...]) -> None:
-    """For ``default_predictive``: a TypeError naming the predictive options (if any) that ``method`` does not take.
+def refuse_options(bnn: BayesianModel, options: dict, accepted: tuple[str, ...]) -> None:
+    """For ``default_predictive``: a TypeError naming the predictive options (if any) that ``bnn``'s method does not
+    take.
 
     Raises:
         TypeError: if ``options`` is not empty, naming them and listing ``accepted``.
     """
     if options:
-        raise TypeError(f"predictive option(s) {sorted(options)} are not accepted by method {method!r}; "
+        raise TypeError(f"predictive option(s) {sorted(options)} are not accepted by method {bnn.method!r}; "
                         f"accepted: {', '.join(accepted)} (or predictive=)")
 
 

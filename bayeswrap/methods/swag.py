@@ -508,7 +508,7 @@ class SWAG(MAP):
             TypeError: on any other option.
         """
         default = super().default_predictive(model=model, **options)
-        return Sampled(forward=self._forward_bn) if self._bn_update_active() else default
+        return Sampled(forward=SWAG._forward_bn) if self._bn_update_active() else default
 
     def _mean_outputs(self, x) -> torch.Tensor:
         """Outputs at θ_SWA, (1, B, ·); with BatchNorm (``bn_update_batches`` > 0, outside a fit) under its own
