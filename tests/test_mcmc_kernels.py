@@ -106,3 +106,24 @@ def test_flat_layout_round_trips_named_tensors():
     assert flat.shape == (5, layout.size) == (5, 9)
     assert all(torch.equal(layout.split(flat)[n], named[n]) for n in named)
     assert all(torch.equal(layout.unflatten(flat[2])[n], named[n][2]) for n in named)
+
+
+def test_each_nuts_chain_is_a_pyro_mcmc_run_of_that_chain_alone():
+    pytest.importorskip("pyro", reason="pyro-ppl is not installed: the NUTS kernel is skipped")
+    from pyro.infer import MCMC, NUTS
+
+    from bayeswrap.methods.mcmc import NUTSKernel
+
+    energy = _gaussian([1.0, 2.0])
+    _, store = _run(NUTSKernel(0.8), energy, {"w": torch.zeros(2, dtype=torch.float64)}, chains=2, num_warmup=20,
+                    num_samples=15)
+    generator = torch.Generator().manual_seed(0)  # the runner's: one seed per chain, drawn at set-up
+    for chain in range(2):
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            run = MCMC(NUTS(potential_fn=lambda p: energy(p["theta"]), target_accept_prob=0.8, full_mass=False),
+                       num_samples=15, warmup_steps=20, initial_params={"theta": torch.zeros(2, dtype=torch.float64)},
+                       disable_progbar=True)
+            run.run()
+        assert torch.equal(store.all()["w"][:, chain], run.get_samples()["theta"])
