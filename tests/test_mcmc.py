@@ -226,3 +226,29 @@ def test_nuts_without_pyro_is_a_clear_error(monkeypatch):
         bw.wrap(nn.Linear(2, 2), "hmc", num_data=4, kernel="nuts")
     with pytest.raises(ValueError, match=r"kernel='slice' is not known; accepted: 'hmc'"):
         bw.wrap(nn.Linear(2, 2), "hmc", num_data=4, kernel="slice")
+
+
+def test_the_potential_is_n_times_the_training_loss_and_predictions_use_the_stored_draws():
+    from bayeswrap.methods.mcmc import FlatLayout
+    from bayeswrap.methods.predictives import StoredDraws
+
+    x, y, _, _ = _blr(d=2)
+    bnn = _sampler("mh", 2, prior=2.0)
+    # the hooks are the potential's terms at θ₀: U(θ₀) = N · loss(x, y), regularizer = −log p(θ₀) + const
+    theta0 = bnn.theta.as_dict()
+    layout = FlatLayout(theta0)
+    u0 = bnn._energy(x, y, layout)(layout.flatten({n: t[None] for n, t in theta0.items()})[0])
+    out = bnn.loss(x, y)
+    assert torch.allclose(50 * out.loss, u0)
+    assert torch.allclose(bnn.regularizer(), theta0["weight"].square().sum() / (2 * 2.0**2))
+    bnn.run_chains(x, y, num_samples=40, num_warmup=20, num_chains=2, generator=torch.Generator().manual_seed(0))
+    assert isinstance(bnn.default_predictive(), StoredDraws)
+    pooled = bnn.chain_draws()["weight"].reshape(80, 1, 2)  # chain 0's draws, then chain 1's
+    assert torch.equal(bnn.sample(80)["weight"], pooled)  # S = count: every kept draw once, in chain order
+    assert torch.equal(bnn.sample(2)["weight"], pooled[[20, 60]])  # evenly spread over both chains
+    manual = torch.stack([bnn.forward_with({"weight": w}, x) for w in pooled])
+    assert torch.allclose(bnn.sample_logits(x, 80), manual)
+    with pytest.raises(ValueError, match=r"model='mpm' is not accepted by method 'mh'"):
+        bnn.predict(x, 3, model="mpm")
+    with pytest.raises(TypeError, match=r"predictive option\(s\) \['pred_type'\] are not accepted by method 'mh'"):
+        bnn.predict(x, 3, pred_type="glm")

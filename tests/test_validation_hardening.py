@@ -110,7 +110,7 @@ def test_too_few_kept_draws_are_refused_before_sampling(method, tmp_path, capsys
     def no_sampling(*args, **kwargs):
         raise AssertionError("sampled")
 
-    monkeypatch.setattr(bw.METHODS[method], "_run", no_sampling)
+    monkeypatch.setattr(bw.METHODS[method], "_kernel", no_sampling)  # the kernel of a run: built only to sample
     out = tmp_path / "runs"
     assert cli.main(["fit", "--method", method, "--chain-samples", "6", "--thinning", "2", "--out-dir", str(out),
                      *FAST]) == 2
