@@ -13,18 +13,9 @@ from bayeswrap.methods.base import BayesianModel
 TEMPLATE = ("loss", "sample", "sample_logits", "predict", "_sample_logits")
 #: (class name, member) pairs allowed to define a template method
 EXCEPTIONS = {("Ensemble", "loss")}
-#: methods converted on their own branches (laplace, mcmc); the lead makes these strict after merging
-PENDING = {"laplace", "mh", "hmc"}
 
 
-def _cases():
-    for name in sorted(bw.METHODS):
-        marks = [pytest.mark.xfail(strict=False, reason="converted on the laplace/mcmc branches")] \
-            if name in PENDING else []
-        yield pytest.param(name, marks=marks, id=name)
-
-
-@pytest.mark.parametrize("method", _cases())
+@pytest.mark.parametrize("method", sorted(bw.METHODS))
 def test_no_registered_class_defines_a_template_method(method):
     defined = [f"{klass.__name__}.{member}" for klass in bw.METHODS[method].__mro__
                if issubclass(klass, BayesianModel) and klass is not BayesianModel

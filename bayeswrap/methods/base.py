@@ -515,10 +515,6 @@ class BayesianModel(nn.Module, ABC):
         num_samples, chosen = _checked_call(self, x, num_samples, 1, predictive, model, options)
         return chosen.outputs(self, x, num_samples, generator)
 
-    def _sample_logits(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
-        """Transitional, for Laplace's ``pred_type="nn"`` until methods/laplace is converted: ``Sampled()``'s outputs."""
-        return Sampled().outputs(self, x, num_samples, generator)
-
     @torch.no_grad()
     def predict(self, x, num_samples: int = 5, generator: torch.Generator | None = None, model: str = "full", *,
                 predictive: Predictive | None = None, **options):

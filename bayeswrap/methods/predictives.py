@@ -96,9 +96,7 @@ class Sampled(Predictive):
         self.draw, self.forward, self.context = draw, forward, context
 
     def outputs(self, bnn, x, num_samples, generator):
-        if self.draw is None and self.forward is None and self.context is None and _overrides(bnn, "_sample_logits"):
-            return bnn._sample_logits(x, num_samples, generator)  # transitional: a method not converted yet
-        draw = self.draw or (type(bnn).sample if _overrides(bnn, "sample") else type(bnn)._draw)
+        draw = self.draw or type(bnn)._draw
         with self.context(bnn, x, generator) if self.context is not None else contextlib.nullcontext():
             return chunked_outputs(bnn, x, num_samples, generator, draw, self.forward)
 
@@ -286,9 +284,3 @@ def refuse_options(bnn: BayesianModel, options: dict, accepted: tuple[str, ...])
         raise TypeError(f"predictive option(s) {sorted(options)} are not accepted by method {bnn.method!r}; "
                         f"accepted: {', '.join(accepted)} (or predictive=)")
 
-
-def _overrides(bnn, name: str) -> bool:
-    """Whether ``bnn``'s class overrides the base's ``name`` (transitional, while methods are converted)."""
-    from bayeswrap.methods.base import BayesianModel
-
-    return getattr(type(bnn), name) is not getattr(BayesianModel, name)
