@@ -1,6 +1,6 @@
 """From a run config to the objects of a run: data, backbone, Bayesian model, optimizer and schedule.
 
-Nothing here writes a file; :mod:`bayeswrap.app.cli` runs and records what this builds,
+Nothing here writes a file; :mod:`bayeswrap.app.runner` runs and records what this builds,
 and :func:`bayeswrap.app.runs.load_run` rebuilds a saved run's model from its
 ``config.yaml`` and ``data.json`` without the training data.
 """

@@ -81,7 +81,7 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
     method starts from MAP's tuned prior std (the configured one without MAP),
     tunes its knob, then scores the prior std at a third and three times that
     value and keeps the best (:func:`~bayeswrap.evaluation.tuning.tune_with_prior`).
-    A knob set post hoc (Laplace's prior precision) is tuned on each candidate's
+    A knob set post hoc (:data:`POST_HOC`, on the fitted posterior) is tuned on each candidate's
     fitted posterior, so only the training prior std goes through the stages.
     The final run uses the chosen values; each ``metrics.json`` records every
     stage under ``"tuning"`` (see :func:`_compare_one`), and the table's
@@ -216,7 +216,7 @@ def _compare_one(base: Path, method: str, cfg: RunConfig, sample_counts, tune_op
     comparison (``member_tuning``, that run's record) is not tuned again: it takes
     the member's tuned options (:func:`_inherit_member_tuning`). The record is stored in
     ``metrics.json["tuning"]`` as
-    ``{"options": {option: value}, "val_nll", "choice", "prior_std_from": "map" |
+    ``{"options": {option: value}, "val_nll", "choice", "prior_std_from": PRIOR_SOURCE |
     "config", "stages": [{"stage", "option", "fixed", "grid", "val_nll",
     "chosen", "chosen_index", "extensions", "reused", "bound_hit", "bounds"}]}``;
     the post hoc knob of the final run is its last stage (``"post_hoc"``).
@@ -274,7 +274,9 @@ def _tune_one(run_cfg: RunConfig, method: str, knob: str, num_samples: int, prio
 
 
 def tuned_option_names(method: str) -> tuple[str, ...]:
-    """The options a tuning record may set before training ``method``: its prior std and its knob (not a post hoc one)."""
+    """The options a tuning record may set before training ``method``: its prior std and its knob (not a post hoc
+    one).
+    """
     knob = knob_of(method)
     return ("prior_std",) + ((knob,) if knob not in (None, "prior_std", POST_HOC) else ())
 
@@ -315,12 +317,12 @@ def tuning_score(cfg: RunConfig, num_samples: int) -> float:
     """Validation NLL of one tuning candidate: trained exactly as ``fit`` trains, nothing written.
 
     The model is trained for ``cfg.epochs`` epochs, the best-validation epoch is
-    kept (as ``best.pt`` is in a run), the method is finalised (Laplace fits its
-    curvature) and the posterior predictive with ``num_samples`` samples is
+    kept (as ``best.pt`` is in a run), the method is finalised (``after_fit``: e.g. a
+    curvature is fitted) and the posterior predictive with ``num_samples`` samples is
     scored on the validation set. A method whose knob is set post hoc
-    (Laplace's prior precision) scores its best value of that knob
+    (:data:`POST_HOC`) scores its best value of that knob
     (:func:`_post_hoc_tune`). A run whose loss diverges, or that ends without a
-    posterior (SGLD keeping no sample), scores ``inf``.
+    posterior (a sampler that kept no draw), scores ``inf``.
     """
     splits, _, bnn, head, device = build(cfg)
     if not len(splits.val):
@@ -335,7 +337,7 @@ def tuning_score(cfg: RunConfig, num_samples: int) -> float:
     except FloatingPointError:
         return float("inf")
     bnn.after_fit(eval_loader(splits.train, cfg))
-    if not bnn.is_ready():  # e.g. SGLD kept no sample: the candidate has no posterior and cannot win
+    if not bnn.is_ready():  # e.g. a sampler kept no draw: the candidate has no posterior and cannot win
         return float("inf")
     if knob_of(cfg.method) == POST_HOC:
         record = _post_hoc_tune(bnn, val_loader, cfg, num_samples)

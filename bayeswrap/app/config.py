@@ -629,7 +629,7 @@ def resolve(config_path: str | None, overrides: dict[str, Any]) -> RunConfig:
     """Resolves a run's options: defaults < ``per_method[method]`` < YAML file < command line.
 
     The built-in per-method settings (:data:`DEFAULT_PER_METHOD`: the step
-    sizes of IVON and SGLD) fill in only what the YAML file does not set.
+    sizes of the methods that own their update) fill in only what the YAML file does not set.
     BayesDLL's per-method MNIST settings apply only where a config asks for
     them (``per_method: bayesdll_mnist``). A ``per_method`` mapping in the YAML file or on the command line
     applies over the file's plain values, so one file can hold a comparison's
@@ -831,7 +831,7 @@ def check_sample_counts(counts: list[int], flag: str = "--num-samples") -> list[
 
 def needs_validation_data(methods: list[str], tune_options: bool, knob_of) -> list[str]:
     """The methods of a comparison that need validation data: with ``tune_options``, every method with a tuned
-    knob (``knob_of(method)`` is not None), since each candidate is scored by its validation NLL (Laplace's
+    knob (``knob_of(method)`` is not None), since each candidate is scored by its validation NLL (a
     post hoc prior precision included); none without tuning.
     """
     return [m for m in methods if tune_options and knob_of(m) is not None]

@@ -38,7 +38,8 @@ def final_reports(bnn, splits, ood_test, cfg: RunConfig, num_samples: int, devic
         ``(report, arrays)``: the report of
         :func:`bayeswrap.evaluation.protocol.prediction_report` with ``num_samples``,
         ``shift`` and ``ood`` added (and ``corruption``, the
-        :func:`~bayeswrap.evaluation.protocol.corruption_report`, when ``cfg.shift_corruptions`` is set), and the predictive probabilities and labels used.
+        :func:`~bayeswrap.evaluation.protocol.corruption_report`, when ``cfg.shift_corruptions`` is set), and the
+        predictive probabilities and labels used.
     """
     bnn.eval()
 
@@ -140,8 +141,8 @@ def history_csv(history: list[dict]) -> str:
     return buf.getvalue()
 
 
-COMPARE_COLUMNS = ("method", "tuned", "cost", "num_samples", "error", "ece", "nll", "ece_Topt", "nll_Topt", "temperature",
-                   "shift_error", "shift_ece", "shift_nll", "shift_ece_Topt", "shift_nll_Topt",
+COMPARE_COLUMNS = ("method", "tuned", "cost", "num_samples", "error", "ece", "nll", "ece_Topt", "nll_Topt",
+                   "temperature", "shift_error", "shift_ece", "shift_nll", "shift_ece_Topt", "shift_nll_Topt",
                    "ood_auroc_entropy", "ood_auroc_mi", "coverage", "set_size")
 """Columns of comparison.md/.csv: the options chosen by tuning (``prior_std=0.3, kl_weight=0.01``; empty
 with ``--no-tune``); the final run's training time as a multiple of MAP's in the same comparison (empty
@@ -155,8 +156,8 @@ def operating_points(method: str, metrics: dict) -> dict[str, dict]:
     """A run's rows: ``{label: metrics}``, the run itself and each further operating point of its posterior.
 
     The run's label is ``method``, or ``"method (val)"`` when compare tuned its post hoc knob by validation NLL;
-    a further point (``metrics["operating_points"]``, e.g. Laplace's ``"marglik"``) is ``"method (name)"``, with
-    that point's final reports and its options in place of the post hoc knob's tuned value.
+    a further point (``metrics["operating_points"]``, e.g. ``"marglik"``, the evidence's prior precision) is
+    ``"method (name)"``, with that point's final reports and its options in place of the post hoc knob's tuned value.
     """
     own = metrics.get("operating_point")
     rows = {f"{method} ({own})" if own else method: metrics}
@@ -184,8 +185,8 @@ def comparison_rows(results: dict[str, dict], baseline: str) -> list[dict]:
             topt = rep.get("Topt") or {}
             shift = (rep.get("shift") or {}).get("summary", {})
             ood = rep.get("ood") or {}
-            rows.append({"method": label, "tuned": tuned_text(metrics), "cost": cost, "num_samples": int(s), "error": rep["T1"]["error"],
-                         "ece": rep["T1"]["ece"], "nll": rep["T1"]["nll"],
+            rows.append({"method": label, "tuned": tuned_text(metrics), "cost": cost, "num_samples": int(s),
+                         "error": rep["T1"]["error"], "ece": rep["T1"]["ece"], "nll": rep["T1"]["nll"],
                          "ece_Topt": topt.get("ece"), "nll_Topt": topt.get("nll"),
                          "temperature": rep.get("temperature"),
                          **{f"shift_{k}": shift.get(k) for k in ("error", "ece", "nll", "ece_Topt", "nll_Topt")},

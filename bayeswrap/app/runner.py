@@ -387,7 +387,7 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
     finally:
         if board is not None:
             board.close()
-    # finalise on the best-validation state (Laplace fits its curvature there) and save it
+    # finalise on the best-validation state (after_fit: a curvature, a sample store) and save it
     if main:
         bnn.load_state_dict(load_checkpoint(run_dir / "best.pt", inside=run_dir))
     distributed.broadcast_state_dict_(bnn)  # data-parallel: rank 0 read the best state; every rank finalises
@@ -421,7 +421,7 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
 def _finalize_loader(dataset, cfg: RunConfig):
     """The in-order training loader of ``after_fit``; data-parallel, this rank's shard (each example on one rank).
 
-    Laplace sums its curvature over the shards (an all-reduce inside ``fit_curvature``).
+    A curvature fit sums over the shards (an all-reduce inside ``fit_curvature``).
     """
     if not distributed.is_distributed():
         return eval_loader(dataset, cfg)
