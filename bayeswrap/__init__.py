@@ -43,3 +43,7 @@ def __getattr__(name: str):
 
         return load_run
     raise AttributeError(f"module 'bayeswrap' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "load_run"})
