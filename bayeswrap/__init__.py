@@ -16,7 +16,6 @@ _compat.install()  # old module paths (bayeswrap.core.functional, bayeswrap.app.
 
 from bayeswrap import calibration, evaluation, optim, uncertainty
 from bayeswrap._version import __version__
-from bayeswrap.app.runs import load_run
 from bayeswrap.core import samples, schedules
 from bayeswrap.core.schedules import KLSchedule
 from bayeswrap.evaluation import convergence as diagnostics
@@ -35,3 +34,16 @@ __all__ = ["wrap", "fit", "save", "load", "evaluate", "predict_loader", "sample_
            "LossOutput", "NotFittedError", "METHODS", "method_options", *(c.__name__ for c in dict.fromkeys(METHODS.values())),
            "optim", "schedules", "KLSchedule", "sparsity", "calibration", "diagnostics", "evaluation",
            "uncertainty", "samples", "tuning", "load_run", "__version__"]
+
+
+def __getattr__(name: str):
+    """``bw.load_run``, imported on first use: ``import bayeswrap`` loads no module of the application layer."""
+    if name == "load_run":
+        from bayeswrap.app.runs import load_run
+
+        return load_run
+    raise AttributeError(f"module 'bayeswrap' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "load_run"})

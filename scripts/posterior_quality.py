@@ -42,9 +42,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bayeswrap.app import cli  # noqa: E402
 from bayeswrap.app.build import build, eval_loader  # noqa: E402
+from bayeswrap.app.compare import run_compare  # noqa: E402
 from bayeswrap.app.config import resolve  # noqa: E402
+from bayeswrap.app.reports import operating_points, tuned_options  # noqa: E402
 from bayeswrap.core.io import load_checkpoint, write_json, write_text  # noqa: E402
 from bayeswrap.methods import METHODS  # noqa: E402
 from bayeswrap.predictive import evaluate  # noqa: E402
@@ -76,7 +77,7 @@ def _row(metrics: dict) -> dict:
            "nll_Topt": (rep.get("Topt") or {}).get("nll"), "ece_Topt": (rep.get("Topt") or {}).get("ece"),
            "auroc_entropy": (ood.get("entropy") or {}).get("auroc"),
            "auroc_mi": (ood.get("mutual_information") or {}).get("auroc"),
-           "tuned": cli.tuned_options(metrics) or None,
+           "tuned": tuned_options(metrics) or None,
            "train_seconds": sum(h.get("seconds", 0.0) for h in metrics["history"])}
     for kind in ("rotation", "noise"):
         summary = by_kind.get(kind, {})
@@ -107,11 +108,11 @@ def run_one(dataset: str, seed: int, methods: list[str], fast: bool, tmp: Path) 
     overrides = {"dataset": dataset, "seed": seed, "out_dir": str(tmp), "run_name": f"{dataset}-{seed}",
                  "progress": False, **DATASETS[dataset], **(FAST if fast else {})}
     tic = time.perf_counter()
-    base, _ = cli.run_compare(str(CONFIG), overrides, methods, [NUM_SAMPLES])
+    base, _ = run_compare(str(CONFIG), overrides, methods, [NUM_SAMPLES])
     seconds = time.perf_counter() - tic
     rows = {}  # a method's run, then its further operating points ("laplace (val)", "laplace (marglik)")
     for m in methods:
-        for label, metrics in cli.operating_points(m, json.loads((base / m / "metrics.json").read_text())).items():
+        for label, metrics in operating_points(m, json.loads((base / m / "metrics.json").read_text())).items():
             rows[label] = _row(metrics)
     for row in rows.values():  # training time as a multiple of MAP's, in the same run
         row["cost"] = row["train_seconds"] / rows["map"]["train_seconds"] if "map" in rows else None

@@ -7,7 +7,10 @@ import pytest
 import torch
 
 import bayeswrap.app.cli as cli
+from bayeswrap.app import compare, reports, runner
 from bayeswrap.app.backbones import create_model
+from bayeswrap.app.build import build
+from bayeswrap.app.config import RunConfig, load_yaml
 from bayeswrap.core.io import load_checkpoint
 from bayeswrap.methods import METHODS, TUNING, Ensemble
 
@@ -127,14 +130,14 @@ def test_compare_tunes_each_method_by_validation_nll(tmp_path, capsys):
     assert list(records["vi"]["options"]) == ["prior_std", "kl_weight"]
     assert list(records["laplace"]["options"]) == ["prior_std", "prior_precision"]
     # the final runs used the chosen values; retraining VI at them reproduces its validation NLL
-    cfg = cli.RunConfig(**cli.load_yaml(base / "vi" / "config.yaml")).validate()
+    cfg = RunConfig(**load_yaml(base / "vi" / "config.yaml")).validate()
     assert cfg.prior_std == records["vi"]["options"]["prior_std"]
     assert cfg.kl_weight == records["vi"]["options"]["kl_weight"]
-    assert cli.tuning_score(cfg, 3) == pytest.approx(records["vi"]["val_nll"], rel=1e-6)
+    assert compare.tuning_score(cfg, 3) == pytest.approx(records["vi"]["val_nll"], rel=1e-6)
     run = base / "laplace"  # set post hoc on the fitted Laplace, saved in the checkpoint
-    cfg = cli.RunConfig(**cli.load_yaml(run / "config.yaml")).validate()
+    cfg = RunConfig(**load_yaml(run / "config.yaml")).validate()
     assert cfg.prior_std == records["laplace"]["options"]["prior_std"]
-    splits, ood_test, bnn, _, device = cli.build(cfg, for_evaluation=True)
+    splits, ood_test, bnn, _, device = build(cfg, for_evaluation=True)
     bnn.load_state_dict(load_checkpoint(run / "best.pt"))
     assert bnn.prior_precision == pytest.approx(records["laplace"]["options"]["prior_precision"])
     # the marglik row: the same fitted posterior at the δ that maximises the marginal likelihood
@@ -144,7 +147,7 @@ def test_compare_tunes_each_method_by_validation_nll(tmp_path, capsys):
     delta = bnn.optimize_prior_precision("marglik")
     assert point["options"] == {"prior_precision": pytest.approx(delta, rel=1e-12)}
     assert delta != pytest.approx(records["laplace"]["options"]["prior_precision"])
-    report = cli.final_reports(bnn, splits, ood_test, cfg, 3, device)[0]
+    report = reports.final_reports(bnn, splits, ood_test, cfg, 3, device)[0]
     row = next(r for r in csv.DictReader(open(base / "comparison.csv")) if r["method"] == "laplace (marglik)")
     assert float(row["nll"]) == pytest.approx(report["T1"]["nll"], rel=1e-9) == point["final"]["3"]["T1"]["nll"]
     assert row["tuned"] == f"prior_std={cfg.prior_std:g}, prior_precision={delta:g}"
@@ -171,7 +174,7 @@ def test_resumed_compare_applies_only_tuned_options_from_a_tuning_file(tmp_path,
     assert not (tmp_path / "elsewhere").exists() and not (base / "map" / "metrics.json").exists()
     path.write_text(json.dumps({"options": {"prior_std": 0.5}, "stages": []}))
     assert cli.main(["compare", "--resume", str(base)]) == 0
-    assert cli.RunConfig(**cli.load_yaml(base / "map" / "config.yaml")).prior_std == 0.5
+    assert RunConfig(**load_yaml(base / "map" / "config.yaml")).prior_std == 0.5
     assert json.loads((base / "map" / "metrics.json").read_text())["tuning"]["options"] == {"prior_std": 0.5}
     assert "prior_std=0.5" in (base / "comparison.md").read_text()
 
@@ -216,7 +219,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypat
     assert cli.main(common + ["--out-dir", str(tmp_path / "a")]) == 0
     reference = json.loads((tmp_path / "a" / "digits-mlp-sgld" / "metrics.json").read_text())
 
-    real_save, saves = cli.save_checkpoint, []
+    real_save, saves = runner.save_checkpoint, []
 
     def interrupting_save(path, obj):
         real_save(path, obj)
@@ -224,11 +227,11 @@ def test_resume_after_interruption_matches_uninterrupted_run(tmp_path, monkeypat
         if saves.count("last.pt") == 2:
             raise KeyboardInterrupt  # killed right after epoch 2 was checkpointed
 
-    monkeypatch.setattr(cli, "save_checkpoint", interrupting_save)
+    monkeypatch.setattr(runner, "save_checkpoint", interrupting_save)
     assert cli.main(common + ["--out-dir", str(tmp_path / "b")]) == 130  # Ctrl-C: exit status 130
     run_dir = tmp_path / "b" / "digits-mlp-sgld"
     assert f"Resume with: bayeswrap fit --resume {run_dir}" in capsys.readouterr().err
-    monkeypatch.setattr(cli, "save_checkpoint", real_save)
+    monkeypatch.setattr(runner, "save_checkpoint", real_save)
     assert not (run_dir / "metrics.json").exists()
     assert not (run_dir / ".lock").exists()  # released on the way out
     assert cli.main(["fit", "--resume", str(run_dir)]) == 0  # the run's own config.yaml, nothing else

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import bayeswrap.app.cli as cli
-from bayeswrap.app.build import build
+from bayeswrap.app.build import build, eval_loader
 from bayeswrap.app.config import load_run_config
 from bayeswrap.evaluation import conformal
 from bayeswrap.predictive import sample_probs_loader
@@ -270,7 +270,7 @@ def test_compare_writes_coverage_and_set_size(tmp_path):
     splits, _, bnn, _, _ = build(cfg, for_evaluation=True)
     bnn.load_state_dict(torch.load(base / "map" / "best.pt", weights_only=True))
     bnn.eval()
-    (pv, yv), (pt, yt) = [sample_probs_loader(bnn, cli.eval_loader(d, cfg), 0) for d in (splits.val, splits.test)]
+    (pv, yv), (pt, yt) = [sample_probs_loader(bnn, eval_loader(d, cfg), 0) for d in (splits.val, splits.test)]
     pv, pt, yv, yt = pv[0].double().numpy(), pt[0].double().numpy(), yv.numpy(), yt.numpy()
     n = len(yv)
     sv = _naive_scores(pv, "raps", 1, 0.01, np.ones(n))

@@ -20,7 +20,7 @@ import torch
 import bayeswrap as bw
 import bayeswrap.app.build as build_module
 import bayeswrap.app.cli as cli
-from bayeswrap.app.config import FIELDS, resolve
+from bayeswrap.app.config import FIELDS, load_run_config, resolve
 from bayeswrap.app.options import option_specs
 from bayeswrap.methods import (
     MAP,
@@ -144,7 +144,7 @@ def test_a_registered_method_appears_in_wrap_the_cli_and_compare(toy, tmp_path, 
     for stage in (knob, prior):
         assert stage["chosen"] == stage["grid"][min(range(len(stage["grid"])), key=lambda i: stage["val_nll"][i])]
     assert tuning["options"] == {"prior_std": prior["chosen"], "toy_scale": knob["chosen"]}
-    saved = cli.load_run_config(out / "compare-digits-mlp" / "toy" / "config.yaml")
+    saved = load_run_config(out / "compare-digits-mlp" / "toy" / "config.yaml")
     assert resolve(None, {"method": "toy", **saved.method_options}).option("toy_scale") == knob["chosen"]
     assert saved.prior_std == prior["chosen"]
 

@@ -16,7 +16,7 @@ from conftest import damage_file
 
 import bayeswrap as bw
 import bayeswrap.app.cli as cli
-from bayeswrap.app import runs
+from bayeswrap.app import compare, runner, runs
 from bayeswrap.app.build import lr_factor, make_optimizer
 from bayeswrap.app.config import resolve
 from bayeswrap.core.io import CheckpointError, load_checkpoint, save_checkpoint
@@ -135,7 +135,7 @@ def test_resume_of_a_run_killed_before_its_first_checkpoint_restarts_cleanly(tmp
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "fit", killed)  # Ctrl-C during the first epoch
+    monkeypatch.setattr(runner, "fit", killed)  # Ctrl-C during the first epoch
     assert _fit(tmp_path / "b", epochs=2) == 130
     run_dir = tmp_path / "b" / "digits-mlp-map"
     assert not (run_dir / "last.pt").exists() and (run_dir / "config.yaml").exists()
@@ -171,7 +171,7 @@ def test_damaged_last_checkpoint_names_the_file_and_rewrites_nothing(tmp_path, c
 def test_compare_resume_after_ctrl_c_keeps_finished_methods(tmp_path, monkeypatch, capsys):
     args = ["compare", "--methods", "map,vi", "--num-samples", "0,2", "--no-tune", "--epochs", "2",
             "--out-dir", str(tmp_path), *FAST]
-    real_fit, calls = cli.run_fit, []
+    real_fit, calls = compare.run_fit, []
 
     def interrupted_second(*a, **k):
         calls.append(a[0].method)
@@ -179,7 +179,7 @@ def test_compare_resume_after_ctrl_c_keeps_finished_methods(tmp_path, monkeypatc
             raise cli.RunInterrupted(tmp_path / "compare-digits-mlp", "bayeswrap compare --resume X")
         return real_fit(*a, **k)
 
-    monkeypatch.setattr(cli, "run_fit", interrupted_second)
+    monkeypatch.setattr(compare, "run_fit", interrupted_second)
     assert cli.main(args) == 130
     monkeypatch.undo()
     base = tmp_path / "compare-digits-mlp"
@@ -316,7 +316,7 @@ def test_cosine_schedule_with_warmup_and_resume_match_an_uninterrupted_run(tmp_p
         [0.01 * lr_factor(cfg, e) for e in range(4)], rel=1e-12)
     assert [lr_factor(cfg, e) for e in range(4)] == pytest.approx([0.5, 1.0, 0.75, 0.25])
 
-    real_save, saves = cli.save_checkpoint, []
+    real_save, saves = runner.save_checkpoint, []
 
     def interrupting_save(path, obj):
         real_save(path, obj)
@@ -324,7 +324,7 @@ def test_cosine_schedule_with_warmup_and_resume_match_an_uninterrupted_run(tmp_p
         if saves.count("last.pt") == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "save_checkpoint", interrupting_save)
+    monkeypatch.setattr(runner, "save_checkpoint", interrupting_save)
     assert _fit(tmp_path / "b", *args, epochs=4) == 130
     monkeypatch.undo()
     assert cli.main(["fit", "--resume", str(tmp_path / "b" / "digits-mlp-map")]) == 0

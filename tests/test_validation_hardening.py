@@ -5,6 +5,7 @@ import json
 import socket
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 import bayeswrap as bw
 import bayeswrap.app.cli as cli
-from bayeswrap.app import config, options
+from bayeswrap.app import compare, config, options, runner
 from bayeswrap.core import distributed
 from bayeswrap.core.checks import MAX_PREDICTIVE_SAMPLES, check_bool, check_device, check_seed
 from bayeswrap.core.io import CheckpointError, load_checkpoint, save_checkpoint
@@ -163,8 +164,8 @@ def test_compare_refuses_before_its_folder(tmp_path, capsys, args, message):
 
 
 def test_compare_without_tuning_needs_no_validation_data():
-    assert config.needs_validation_data(["map", "laplace"], False, cli._knob) == []
-    assert config.needs_validation_data(["map", "laplace", "mc_dropout"], True, cli._knob) == [
+    assert config.needs_validation_data(["map", "laplace"], False, compare.knob_of) == []
+    assert config.needs_validation_data(["map", "laplace", "mc_dropout"], True, compare.knob_of) == [
         "map", "laplace", "mc_dropout"]
 
 
@@ -335,7 +336,7 @@ def test_a_damaged_rng_in_last_pt_names_the_file_and_field_and_rewrites_nothing(
     assert _snapshot(run) == before
     state = torch.get_rng_state()  # the check tries the state on a spare generator, never on the process's own
     with pytest.raises(CheckpointError, match=shown):
-        cli.check_last_checkpoint({**good, "rng": rng}, run / "last.pt")
+        runner.check_last_checkpoint({**good, "rng": rng}, run / "last.pt")
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -347,8 +348,8 @@ def test_a_damaged_rng_in_last_pt_names_the_file_and_field_and_rewrites_nothing(
 def test_last_pt_fields_are_checked(map_run, field, value, message):
     good = load_checkpoint(map_run / "last.pt")
     with pytest.raises(CheckpointError, match=rf"checkpoint x/last.pt: {message}"):
-        cli.check_last_checkpoint({**good, field: value}, cli.Path("x/last.pt"))
-    assert cli.check_last_checkpoint(good, cli.Path("x/last.pt")) is good
+        runner.check_last_checkpoint({**good, field: value}, Path("x/last.pt"))
+    assert runner.check_last_checkpoint(good, Path("x/last.pt")) is good
 
 
 @pytest.mark.parametrize("input_shape", [["8", "8"], [0], [-3], "64", [], [True], [1.5], None])
@@ -369,10 +370,10 @@ def test_a_tuning_record_may_set_only_the_methods_tuned_options(tmp_path):
     path.write_text(json.dumps({"options": {"out_dir": "elsewhere"}}))
     with pytest.raises(ValueError, match=rf"{path}: out_dir is not a tuned option of method 'map'; accepted: "
                                          r"prior_std"):
-        cli.read_tuning_file(path, "map")
+        compare.read_tuning_file(path, "map")
     path.write_text(json.dumps({"options": {"prior_std": "1"}}))
     with pytest.raises(ValueError, match=r"prior_std='1' is not a finite number"):
-        cli.read_tuning_file(path, "map")
+        compare.read_tuning_file(path, "map")
 
 
 @pytest.mark.parametrize("change, message", [

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import bayeswrap.app.cli as cli
-from bayeswrap.app import runs
+from bayeswrap.app import reports, runs
 from bayeswrap.core.io import UnsafePathError, atomic_write, file_kind, open_append, remove_stale_tmp_of, write_text
 
 FAST = ["--batch-size", "64", "--shift-rotations", "0", "--shift-noise", "0", "--progress", "false"]
@@ -153,11 +153,11 @@ def test_predict_removes_what_a_killed_predict_left_beside_its_output(run, tmp_p
 
 def test_names_that_a_spreadsheet_would_run_are_escaped_in_the_csv():
     probs = torch.tensor([[[0.9, 0.1], [0.2, 0.8]]])
-    rows = cli.predict_rows(probs, ["=HYPERLINK(1)", "ok.png"], ["+cmd", "@x"])
+    rows = reports.predict_rows(probs, ["=HYPERLINK(1)", "ok.png"], ["+cmd", "@x"])
     assert rows[0]["input"] == "'=HYPERLINK(1)" and rows[1]["input"] == "ok.png"
     assert rows[0]["predicted_label"] == "'+cmd" and rows[1]["predicted_label"] == "'@x"
     assert list(rows[0])[4:6] == ["prob_'+cmd", "prob_'@x"]
-    assert cli.csv_text("-1") == "'-1" and cli.csv_text("a=b") == "a=b"
+    assert reports.csv_text("-1") == "'-1" and reports.csv_text("a=b") == "a=b"
 
 
 def test_predict_refuses_a_run_another_process_is_writing(run, tmp_path, capsys):

@@ -1,12 +1,13 @@
 """From a run config to the objects of a run: data, backbone, Bayesian model, optimizer and schedule.
 
-Nothing here writes a file; :mod:`bayeswrap.app.cli` runs and records what this builds,
+Nothing here writes a file; :mod:`bayeswrap.app.runner` runs and records what this builds,
 and :func:`bayeswrap.app.runs.load_run` rebuilds a saved run's model from its
 ``config.yaml`` and ``data.json`` without the training data.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -16,7 +17,6 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from bayeswrap import optim as bw_optim
 from bayeswrap.app.backbones import check_model_name, create_model, data_config, head_parameter_names
 from bayeswrap.app.config import RunConfig
 from bayeswrap.core import distributed
@@ -25,11 +25,12 @@ from bayeswrap.core.functional import select_parameters
 from bayeswrap.core.io import file_kind
 from bayeswrap.data.datasets import NUM_CLASSES, DataSplits, build_transforms, load_data
 from bayeswrap.data.shift import hold_out_classes
-from bayeswrap.methods import METHODS, wrap
-from bayeswrap.methods.ensemble import Ensemble
-from bayeswrap.methods.sgld import BURN_IN_FRACTION
+from bayeswrap.methods import wrap
 
 log = logging.getLogger("bayeswrap")
+
+#: the autocast dtype of each ``amp`` value (fp16 also gets a gradient scaler)
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class EpochLoader:
@@ -273,27 +274,7 @@ def build_model(cfg: RunConfig, info: DataInfo, *, for_evaluation: bool = False)
     else:
         prior_mean = cfg.prior_mean
     num_data = max(1, round(info.num_train * cfg.num_data_inflate))
-    options = cfg.method_arguments("init")
-    if cfg.method == "laplace":
-        # the run's protocol, not a default: the reports score every method by the same S-sample
-        # predictive, so the GLM predictive is sampled too unless the run sets link_approx
-        options.setdefault("link_approx", "mc")
-    if cfg.method == "sgld" and "burn_in" not in options:
-        options["burn_in"] = "auto"
-        if not options.get("cycles"):
-            steps = info.steps_per_epoch
-            epochs = cfg.epochs * BURN_IN_FRACTION if cfg.burn_in() is None else cfg.burn_in()
-            options["burn_in"] = round(epochs * steps)
-            # keep samples even in short runs: burn-in at most half of training, and one thinning interval
-            # before the end
-            longest = max(0, min(cfg.epochs * steps // 2, cfg.epochs * steps - cfg.option("thinning")))
-            if options["burn_in"] > longest:
-                options["burn_in"] = longest
-                log.warning("sgld: burn_in_epochs=%s leaves too few samples in %d epochs; burn-in shortened to %d "
-                            "steps", cfg.burn_in_epochs, cfg.epochs, options["burn_in"])
-    if issubclass(METHODS[cfg.method], Ensemble) and pretrained and "reinit" not in options:
-        # fine-tuned ensembles: the pretrained body in every member, a freshly initialised head per member
-        options["reinit"] = sorted({n.rsplit(".", 1)[0] for n in head})
+    options = cfg.init_arguments(cfg.run_info(info.steps_per_epoch, pretrained=pretrained, head=head))
     bnn = wrap(model, cfg.method, num_data=num_data, prior_std=cfg.prior_std, prior_mean=prior_mean,
                bias=cfg.bias, params=patterns, kl_weight=cfg.kl_weight, **options)
     device = device_of(cfg.device)
@@ -328,16 +309,19 @@ def input_transform(cfg: RunConfig, info: DataInfo, model: torch.nn.Module):
 
 
 def make_optimizer(cfg: RunConfig, bnn, head) -> torch.optim.Optimizer:
-    """The optimizer of a run: the method's own (SGLD, IVON) if it has one, else SGD with momentum or AdamW.
+    """The optimizer of a run: the method's own (``required_optimizer``) if it has one, else SGD with momentum or
+    AdamW.
 
-    ``weight_decay`` applies to the point-estimate groups only; the Bayesian
-    groups carry ``weight_decay=0`` (their prior is in the loss).
+    A method's own optimizer gets ``lr`` and, where its constructor takes them, the model's ``num_data`` and the
+    run's ``noise_scale`` (a Langevin optimizer's). ``weight_decay`` applies to the point-estimate groups only;
+    the Bayesian groups carry ``weight_decay=0`` (their prior is in the loss).
     """
     groups = bnn.param_groups(head, cfg.lr_head or None)
-    if bnn.required_optimizer is bw_optim.SGLD:
-        return bw_optim.SGLD(groups, lr=cfg.lr, num_data=bnn.num_data, noise_scale=cfg.noise_scale)
-    if bnn.required_optimizer is not None:
-        return bnn.required_optimizer(groups, lr=cfg.lr)
+    own = bnn.required_optimizer
+    if own is not None:
+        accepted = inspect.signature(own).parameters
+        run = {k: v for k, v in {"num_data": bnn.num_data, "noise_scale": cfg.noise_scale}.items() if k in accepted}
+        return own(groups, lr=cfg.lr, **run)
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -365,15 +349,11 @@ def make_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, start_epoch
     ``start_epoch`` from each group's ``initial_lr`` (set from the config), so a
     changed ``lr`` or ``epochs`` applies from the next epoch on.
 
-    Raises:
-        ValueError: for cyclical SGLD (``cycles`` > 0), whose step size follows its own cycle.
+    A method that sets its own step size refuses a schedule in its ``run_options``, which
+    :meth:`RunConfig.validate` calls.
     """
     if cfg.scheduler == "constant" and cfg.warmup_epochs == 0:
         return None
-    if cfg.method == "sgld" and cfg.option("cycles"):
-        raise ValueError(f"scheduler={cfg.scheduler!r}, warmup_epochs={cfg.warmup_epochs}: cyclical SGLD "
-                         f"(cycles={cfg.option('cycles')}) sets its own step size; accepted: scheduler=constant, "
-                         f"warmup_epochs=0")
     for group in optimizer.param_groups:
         group.setdefault("initial_lr", group["lr"])
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: lr_factor(cfg, e), last_epoch=start_epoch - 1)

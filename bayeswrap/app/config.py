@@ -26,6 +26,7 @@ from bayeswrap.data.corruptions import CORRUPTIONS, SEVERITIES, corruption_names
 from bayeswrap.data.datasets import DATASETS
 from bayeswrap.evaluation.conformal import SCORES as CONFORMAL_SCORES
 from bayeswrap.methods import METHODS, wrap
+from bayeswrap.methods.run_info import RunInfo
 
 
 def _f(default, help: str, **kw):
@@ -159,10 +160,6 @@ class RunConfig:
         if self.warmup_epochs >= self.epochs:
             raise ValueError(f"warmup_epochs={self.warmup_epochs} is out of range; accepted: an integer in "
                              f"[0, epochs={self.epochs})")
-        if self.method == "sgld" and self.option("cycles") and (self.scheduler != "constant" or self.warmup_epochs):
-            raise ValueError(f"scheduler={self.scheduler!r}, warmup_epochs={self.warmup_epochs}: cyclical SGLD "
-                             f"(cycles={self.option('cycles')}) sets its own step size; accepted: scheduler=constant, "
-                             f"warmup_epochs=0")
         self.check_method_options()
         for name in ("overwrite", "progress", "download", "pretrained"):
             if not isinstance(getattr(self, name), bool):
@@ -219,10 +216,11 @@ class RunConfig:
                 raise ValueError(f"{name} is not an option of method {self.method!r}" + (
                     f" (it is an option of {', '.join(users)})" if users else "") +
                     f"; accepted: {', '.join(specs) or 'none'}")
-        # a Linear, with a dropout module for mc_dropout's mode="layers" (which refuses a model without one)
+        arguments = self.init_arguments()  # what the run implies for the method (its run_options) checked too
+        # a Linear, with a dropout module for a method that samples the model's own dropout (which refuses a model
+        # without one)
         stand_in = wrap(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)), self.method, num_data=10,
-                        prior_std=self.prior_std, bias=self.bias, kl_weight=self.kl_weight,
-                        **self.method_arguments("init"))
+                        prior_std=self.prior_std, bias=self.bias, kl_weight=self.kl_weight, **arguments)
         check_run = getattr(stand_in, "check_run_options", None)
         if check_run is not None:
             run = self.method_arguments("run")
@@ -236,18 +234,37 @@ class RunConfig:
                 raise ValueError(f"method={self.method!r}: {text}") from None
 
     def method_arguments(self, target: str) -> dict[str, Any]:
-        """The given method options as arguments of the constructor (``"init"``) or of ``run_chains`` (``"run"``).
-
-        ``cycles=0`` (the command line's "no cycles") is SGLD's ``cycles=None``.
-        """
+        """The given method options as arguments of the constructor (``"init"``) or of ``run_chains`` (``"run"``)."""
         specs = option_specs(self.method)
-        out = {specs[k].argument: v for k, v in self.method_options.items() if specs[k].target == target}
-        if self.method == "sgld" and out.get("cycles") == 0:
-            out["cycles"] = None
-        return out
+        return {specs[k].argument: v for k, v in self.method_options.items() if specs[k].target == target}
+
+    def run_info(self, steps_per_epoch: int | None = None, *, pretrained: bool = False,
+                 head: tuple[str, ...] | list[str] = ()) -> RunInfo:
+        """The :class:`~bayeswrap.methods.run_info.RunInfo` of a run of this config (what ``run_options`` read).
+
+        Args:
+            steps_per_epoch: optimizer steps per epoch; None before the data are read.
+            pretrained: whether the backbone starts from pretrained weights (with a new head).
+            head: the parameter names of the backbone's classifier head.
+        """
+        return RunInfo(epochs=self.epochs, steps_per_epoch=steps_per_epoch, options=self.method_arguments("init"),
+                       pretrained=pretrained, head=tuple(head), burn_in_epochs=self.burn_in(),
+                       scheduler=self.scheduler, warmup_epochs=self.warmup_epochs)
+
+    def init_arguments(self, run: RunInfo | None = None) -> dict[str, Any]:
+        """The method's constructor arguments for ``run`` (default: :meth:`run_info` without data): those given,
+        with what the run implies for the method (its class's ``run_options``) over them.
+
+        Raises:
+            ValueError: naming the values, for a run the method cannot train with (its ``run_options``).
+        """
+        run = self.run_info() if run is None else run
+        return {**run.options, **METHODS[self.method].run_options(run)}
 
     def burn_in(self) -> float | None:
-        """SGLD burn-in in epochs (a finite number >= 0), or None for ``auto``."""
+        """The burn-in in epochs of a method that discards the start of its chain (a finite number >= 0), or None
+        for ``auto``.
+        """
         text = str(self.burn_in_epochs).strip()
         if text == "auto":
             return None
@@ -466,8 +483,9 @@ def coerce(name: str, value: Any) -> Any:
 def method_fields() -> dict[str, tuple[str, ...]]:
     """``{option: methods that use it}`` for the options only some methods use (the rest apply to all)."""
     users = {k: list(v) for k, v in option_users().items()}
-    users.setdefault("burn_in_epochs", []).append("sgld")  # converted to SGLD's burn_in (steps)
-    users.setdefault("noise_scale", []).append("sgld")  # an option of SGLD's optimizer
+    for method, cls in METHODS.items():
+        for name in cls.run_fields:  # run settings only this method reads (a sampler's burn-in epochs)
+            users.setdefault(name, []).append(method)
     return {k: tuple(v) for k, v in users.items()}
 
 
@@ -611,7 +629,7 @@ def resolve(config_path: str | None, overrides: dict[str, Any]) -> RunConfig:
     """Resolves a run's options: defaults < ``per_method[method]`` < YAML file < command line.
 
     The built-in per-method settings (:data:`DEFAULT_PER_METHOD`: the step
-    sizes of IVON and SGLD) fill in only what the YAML file does not set.
+    sizes of the methods that own their update) fill in only what the YAML file does not set.
     BayesDLL's per-method MNIST settings apply only where a config asks for
     them (``per_method: bayesdll_mnist``). A ``per_method`` mapping in the YAML file or on the command line
     applies over the file's plain values, so one file can hold a comparison's
@@ -813,7 +831,7 @@ def check_sample_counts(counts: list[int], flag: str = "--num-samples") -> list[
 
 def needs_validation_data(methods: list[str], tune_options: bool, knob_of) -> list[str]:
     """The methods of a comparison that need validation data: with ``tune_options``, every method with a tuned
-    knob (``knob_of(method)`` is not None), since each candidate is scored by its validation NLL (Laplace's
+    knob (``knob_of(method)`` is not None), since each candidate is scored by its validation NLL (a
     post hoc prior precision included); none without tuning.
     """
     return [m for m in methods if tune_options and knob_of(m) is not None]

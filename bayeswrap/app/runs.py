@@ -361,7 +361,7 @@ def load_run(run_dir: str | os.PathLike, *, device: str | None = None) -> Loaded
     if holder is not None and holder != (os.getpid(), socket.gethostname()):
         raise RunFolderError(f"run folder {run_dir} is being written by process {holder[0]} on {holder[1]} (e.g. "
                              f"a fit --resume replacing best.pt); wait for it to finish")
-    if not (run_dir / "metrics.json").is_file():  # best.pt is final (Laplace curvature, SGLD draws) only then
+    if not (run_dir / "metrics.json").is_file():  # best.pt is final (a fitted curvature, kept draws) only then
         raise RunFolderError(f"the run in {run_dir} has not finished (no metrics.json); finish it first: "
                              f"bayeswrap fit --resume {run_dir}")
     cfg = load_run_config(run_dir / "config.yaml")

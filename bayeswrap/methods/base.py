@@ -157,6 +157,30 @@ class BayesianModel(nn.Module, ABC):
     #: whether ``noise_std="learn"`` is accepted (not by ensembles, whose members would each need their own σ, nor by
     #: full-batch samplers, which do not train point estimates)
     supports_learned_noise = True
+    #: run settings (fields of the command line's run config) that only this method reads, e.g. a sampler's
+    #: burn-in in epochs; a ``per_method`` entry may set them for this method only
+    run_fields: tuple[str, ...] = ()
+
+    @classmethod
+    def run_options(cls, run) -> dict:
+        """What a training run implies for this method: constructor arguments, over those the run gives.
+
+        The application calls it before it builds the model, ``wrap(model, method, **{**run.options,
+        **cls.run_options(run)})``, and when it checks a config (then ``run.steps_per_epoch`` is None: no data are
+        read yet), so that it names no method. A method leaves the arguments the run gives alone unless it
+        translates them. The base class implies nothing.
+
+        Args:
+            run: the run, a :class:`~bayeswrap.methods.run_info.RunInfo` (epochs, steps per epoch, the
+                arguments given, pretrained weights and head, schedule).
+
+        Returns:
+            ``{argument: value}``, constructor arguments of this class.
+
+        Raises:
+            ValueError: naming the values and the accepted ones, for a run this method cannot train with.
+        """
+        return {}
 
     def __init__(self, model: nn.Module, *, num_data: int, prior_std: float | None = 1.0, prior_mean="init",
                  bias: str = "informative", params: ParamSelector = None, likelihood: str = "categorical",

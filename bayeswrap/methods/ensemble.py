@@ -134,6 +134,15 @@ class Ensemble(BayesianModel):
     default_member = "map"
     supports_learned_noise = False  # each member would need its own σ in the vmapped loss and the mixture
 
+    @classmethod
+    def run_options(cls, run) -> dict:
+        """A fine-tuned ensemble (pretrained weights with a new head) gets a freshly initialised head per member:
+        ``reinit`` = the head's modules, unless the run gives ``reinit``.
+        """
+        if run.pretrained and "reinit" not in run.options:
+            return {"reinit": sorted({name.rsplit(".", 1)[0] for name in run.head})}
+        return {}
+
     def __init__(self, model, *, num_members: int = 5, member: str | None = None, member_kwargs: dict | None = None,
                  reinit: str | list[str] = "all", init_seed: int | None = None, parallel: str = "auto", **kwargs):
         member = self.default_member if member is None else member

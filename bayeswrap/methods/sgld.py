@@ -32,6 +32,7 @@ stage replaces the burn-in.
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 
@@ -120,6 +121,41 @@ class SGLD(MAP):
     recommended = {"lr": 0.2}  # no momentum; chosen on digits' validation NLL
     in_default_comparison = True
     loss_free_state = ("sample_store.", "moment_mean.", "moment_m2.")
+    run_fields = ("burn_in_epochs", "noise_scale")  # burn-in epochs -> burn_in steps; the optimizer's noise
+
+    @classmethod
+    def run_options(cls, run) -> dict:
+        """A run's ``cycles=0`` (the command line's "no cycles") as None, and its burn-in in optimizer steps.
+
+        ``burn_in`` (unless the run gives it): ``run.burn_in_epochs`` (None: :data:`BURN_IN_FRACTION` of the
+        epochs) times the steps per epoch, at most half of training and one thinning interval before its end
+        (shortened with a warning), so that a short run still keeps samples; ``"auto"`` with ``cycles``.
+
+        Raises:
+            ValueError: for ``cycles`` with a learning-rate schedule or warm-up: cyclical SGLD sets its own step
+                size.
+        """
+        out = {"cycles": None} if run.options.get("cycles") == 0 else {}
+        cycles = out.get("cycles", run.options.get("cycles"))
+        if cycles and (run.scheduler != "constant" or run.warmup_epochs):
+            raise ValueError(f"scheduler={run.scheduler!r}, warmup_epochs={run.warmup_epochs}: cyclical SGLD "
+                             f"(cycles={cycles}) sets its own step size; accepted: scheduler=constant, "
+                             f"warmup_epochs=0")
+        if "burn_in" in run.options or run.steps_per_epoch is None:
+            return out
+        if cycles:
+            return {**out, "burn_in": "auto"}
+        steps, epochs = run.steps_per_epoch, run.epochs
+        burn_in = round((epochs * BURN_IN_FRACTION if run.burn_in_epochs is None else run.burn_in_epochs) * steps)
+        thinning = run.options.get("thinning", cls.__init__.__kwdefaults__["thinning"])
+        longest = max(0, min(epochs * steps // 2, epochs * steps - thinning))
+        if burn_in > longest:
+            burn_in = longest
+            shown = "auto" if run.burn_in_epochs is None else f"{run.burn_in_epochs:g}"
+            logging.getLogger("bayeswrap").warning(
+                "sgld: burn_in_epochs=%s leaves too few samples in %d epochs; burn-in shortened to %d steps", shown,
+                epochs, burn_in)
+        return {**out, "burn_in": burn_in}
 
     def __init__(self, model, *, burn_in: int | str = "auto", thinning: int = 10, predictive: str = "ensemble",
                  max_samples: int = 100, sample_dtype: torch.dtype | str | None = None,
