@@ -38,7 +38,7 @@ from bayeswrap.app.reports import comparison_rows, csv_table, markdown_table, tu
 from bayeswrap.app.runner import RunInterrupted, run_fit
 from bayeswrap.core.io import write_json, write_text, write_yaml
 from bayeswrap.evaluation import plots
-from bayeswrap.evaluation.tuning import tune, tune_with_prior
+from bayeswrap.evaluation.tuning import tune_with_prior
 from bayeswrap.methods import METHODS, tuning_bounds, tuning_option
 from bayeswrap.predictive import evaluate as evaluate_loader
 from bayeswrap.training import fit
@@ -355,17 +355,13 @@ def knob_of(method: str) -> str | None:
 def _post_hoc_tune(bnn, val_loader, cfg: RunConfig, num_samples: int) -> dict:
     """The post hoc prior precision of a fitted posterior: bracketed grid, best value set on ``bnn``.
 
-    Every value is scored by ``optimize_prior_precision("val")`` (the same seed for
-    each, so all see the same noise); returns the :func:`~bayeswrap.evaluation.tuning.tune` record.
+    The model's ``validation_search`` scores every value (the same seed for each, so all see the same noise)
+    and changes nothing; the chosen value is then set. Returns the :func:`~bayeswrap.evaluation.tuning.tune`
+    record.
     """
     option, grid = tuning_option(cfg.method)
-
-    def val_nll_of(value: float) -> float:
-        bnn.optimize_prior_precision("val", val_loader=val_loader, grid=[value], num_samples=num_samples,
-                                     seed=cfg.seed)
-        return bnn.val_search["nll"][0]
-
-    record = tune(grid, val_nll_of, bounds=tuning_bounds(cfg.method, option))
+    record = bnn.validation_search(val_loader, grid, num_samples=num_samples, seed=cfg.seed,
+                                   bounds=tuning_bounds(cfg.method, option))
     bnn.prior_precision = record["chosen"]
     bnn.val_search = {"grid": record["grid"], "nll": record["val_nll"]}
     return record

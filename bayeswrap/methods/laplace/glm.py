@@ -240,7 +240,7 @@ class LinearisedPredictive:
                 ``link_approx``, or ``"probit"`` with ``"nn"``.
             TypeError: on any other option, naming it and the accepted ones.
         """
-        refuse_options(self.method, options, ("model", "pred_type", "link_approx"))
+        refuse_options(self, options, ("model", "pred_type", "link_approx"))
         sampled = super().default_predictive(model=model)  # checks model
         pred_type, link_approx = self._resolve(pred_type, link_approx)
         return sampled if pred_type == "nn" else GLM(link_approx)

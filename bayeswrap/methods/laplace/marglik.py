@@ -56,6 +56,17 @@ PRECISION_RANGE = (1e-36, 1e36)
 class PriorPrecisionSearch:
     """The evidence half of :class:`~bayeswrap.Laplace` (a mixin; the class documents the options)."""
 
+    def validation_search(self, val_loader, grid=None, *, predictive: Predictive | None = None,
+                          num_samples: int = 100, seed: int = 0, bounds: tuple[float, float] | None = None) -> dict:
+        """:func:`validation_search` on this model: the validation NLL at each prior precision; nothing is changed.
+
+        ``bayeswrap compare`` calls this (with ``bounds``) for the post hoc prior precision of a fitted
+        posterior, then sets the chosen value; see :func:`validation_search` for the arguments, return value
+        and errors.
+        """
+        return validation_search(self, val_loader, grid, predictive=predictive, num_samples=num_samples, seed=seed,
+                                 bounds=bounds)
+
     def _marglik_terms(self) -> tuple[list[str], dict[str, torch.Tensor] | None, dict[str, torch.Tensor], torch.Tensor]:
         """The parameters with a prior, and per such tensor t: the eigenvalues λ_t of H's block (``None`` for
         ``"full"``, whose H couples the tensors), (θ*_t − θ̄_t)² summed (float64 0-d), and log p(D | θ*).
