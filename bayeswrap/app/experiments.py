@@ -12,6 +12,7 @@ script.
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -115,7 +116,8 @@ def own_optimizer(bnn: bw.BayesianModel, lr: float, **options: Any) -> torch.opt
         bnn: A wrapped model.
         lr: Its learning rate.
         **options: More keyword arguments of that optimizer (e.g. SGLD's ``noise_scale``, IVON's ``beta2``).
-            :class:`bw.optim.SGLD` gets ``num_data = bnn.num_data`` unless ``options`` sets it.
+            An optimizer whose constructor takes ``num_data`` (:class:`bw.optim.SGLD`) gets ``bnn.num_data`` unless
+            ``options`` sets it (as :func:`bayeswrap.app.build.make_optimizer` does).
 
     Returns:
         The optimizer, or ``None`` when the method trains with any optimizer (the script chooses one).
@@ -123,7 +125,7 @@ def own_optimizer(bnn: bw.BayesianModel, lr: float, **options: Any) -> torch.opt
     required = bnn.required_optimizer
     if required is None:
         return None
-    if required is getattr(bw.optim, "SGLD", None):
+    if "num_data" in inspect.signature(required).parameters:
         options = {"num_data": bnn.num_data, **options}
     return required(bnn.param_groups(), lr=lr, **options)
 
