@@ -20,7 +20,16 @@ from bayeswrap.core import samples, schedules
 from bayeswrap.core.schedules import KLSchedule
 from bayeswrap.evaluation import convergence as diagnostics
 from bayeswrap.evaluation import tuning
-from bayeswrap.methods import METHODS, BayesianModel, LossOutput, NotFittedError, method_options, sparsity, wrap
+from bayeswrap.methods import (
+    METHODS,
+    BayesianModel,
+    LossOutput,
+    NotFittedError,
+    method_options,
+    predictives,
+    sparsity,
+    wrap,
+)
 from bayeswrap.methods.persistence import load, save
 from bayeswrap.predictive import evaluate, predict_loader, sample_probs_loader
 from bayeswrap.training import fit
@@ -33,7 +42,7 @@ del _cls
 __all__ = ["wrap", "fit", "save", "load", "evaluate", "predict_loader", "sample_probs_loader", "BayesianModel",
            "LossOutput", "NotFittedError", "METHODS", "method_options", *(c.__name__ for c in dict.fromkeys(METHODS.values())),
            "optim", "schedules", "KLSchedule", "sparsity", "calibration", "diagnostics", "evaluation",
-           "uncertainty", "samples", "tuning", "load_run", "__version__"]
+           "uncertainty", "samples", "tuning", "predictives", "load_run", "__version__"]
 
 
 def __getattr__(name: str):
