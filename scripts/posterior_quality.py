@@ -98,9 +98,9 @@ def laplace_precision_sweep(run_dir: Path) -> dict:
     for value in PRIOR_PRECISIONS:
         bnn.prior_precision = value
         for link in errors:
-            bnn.link_approx = link
             gen = torch.Generator(device=device).manual_seed(cfg.seed)
-            errors[link].append(evaluate(bnn, loader, NUM_SAMPLES, generator=gen)["error"])
+            glm = bnn.default_predictive(link_approx=link)  # the GLM predictive with this link; bnn is not changed
+            errors[link].append(evaluate(bnn, loader, NUM_SAMPLES, generator=gen, predictive=glm)["error"])
     return {"prior_precision": list(PRIOR_PRECISIONS), "error": errors}
 
 

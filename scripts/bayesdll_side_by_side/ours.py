@@ -73,13 +73,15 @@ def run_ours(method: str, data: dict, cfg: dict, seed: int) -> dict:
         variants = {"laplace": ("nn", "glm"), "sgld": ("ensemble", "gaussian")}.get(method, ("sampled",))
         out = {}
         for variant in variants:
-            if method == "laplace":
-                bnn.pred_type = variant
-            elif method == "sgld":
+            predictive = None
+            if method == "laplace":  # the linearised or the sampled predictive, chosen per call
+                predictive = bnn.default_predictive(pred_type=variant)
+            elif method == "sgld":  # SGLD's public switch between its stored iterates and their Gaussian
                 bnn.predictive = variant
             out[variant] = {}
             for nst in NST:
-                probs, labels = predict_loader(bnn, test, nst, generator=torch.Generator().manual_seed(seed + 1000))
+                probs, labels = predict_loader(bnn, test, nst, generator=torch.Generator().manual_seed(seed + 1000),
+                                               predictive=predictive)
                 out[variant][str(nst)] = scores(probs, labels)
     return {"predictives": out, "init": init, "init_digest": digest(init), "batches": loader.batches,
             "batch_digest": loader.digest, "seconds": time.perf_counter() - tic,
