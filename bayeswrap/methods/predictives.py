@@ -111,9 +111,6 @@ class PosteriorMean(Predictive):
     def outputs(self, bnn, x, num_samples, generator):
         return bnn._mean_outputs(x)
 
-    def predict(self, bnn, x, num_samples, generator):
-        return bnn._predictive(bnn._mean_outputs(x))
-
 
 class StoredDraws(Predictive):
     """S kept draws, chosen once and spread evenly over the chain, evaluated ``chunk_size`` at a time.
@@ -159,7 +156,7 @@ class MedianModel(Predictive):
     def predict(self, bnn, x, num_samples, generator):
         if num_samples == 0:
             return bnn._predictive(bnn.forward_with(bnn.mpm_mean(), x).unsqueeze(0))
-        return bnn._predictive(self.outputs(bnn, x, num_samples, generator))
+        return super().predict(bnn, x, num_samples, generator)
 
 
 class Mixture(Predictive):

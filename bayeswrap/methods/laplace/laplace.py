@@ -185,8 +185,7 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
                  curvature_samples: int = 1, pred_type: str = "glm", link_approx: str = "probit",
                  curvature_backend: str = "layers", hessian_structure: str = "diag",
                  subset_of_weights: str = "auto", **kwargs):
-        if curvature not in CURVATURES:
-            raise ValueError(f"curvature={curvature!r} is not known; accepted: {CURVATURES}")
+        check_choice("curvature", curvature, CURVATURES)
         self.hessian_structure = check_choice("hessian_structure", hessian_structure, HESSIAN_STRUCTURES)
         subset_of_weights = check_choice("subset_of_weights", subset_of_weights, SUBSETS_OF_WEIGHTS + ("auto",))
         if kwargs.get("params") == "last_layer":  # the same choice as subset_of_weights="last_layer"

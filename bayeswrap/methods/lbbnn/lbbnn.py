@@ -357,11 +357,10 @@ class LBBNN(SparsityMixin, LocalReparamMixin, BayesianModel):
             ValueError: on a ``model`` other than ``"full"`` and ``"mpm"``.
             TypeError: on any other option.
         """
-        if model == "mpm" and not options:
-            return MedianModel()
         if model not in ("full", "mpm"):
             raise ValueError(f"model={model!r} is not accepted by method {self.method!r}; accepted: 'full', 'mpm'")
-        return super().default_predictive(model="full", **options)
+        default = super().default_predictive(model="full", **options)  # refuses other options
+        return MedianModel() if model == "mpm" else default
 
     # ------------------------------------------------------------------ pruning (the MPM)
     def _apply_prune(self, masks: dict[str, torch.Tensor]) -> None:
