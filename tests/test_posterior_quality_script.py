@@ -26,8 +26,9 @@ def test_fast_mode_writes_table_json_and_figure(fast_run):
     assert (fast_run / "posterior_quality.png").stat().st_size > 10_000
     data = json.loads((fast_run / "posterior_quality.json").read_text())
     table = data["datasets"]["digits"]["table"]
-    assert set(table) == {"map", "vi", "ivon", "mc_dropout", "sgld", "laplace (val)", "laplace (marglik)", "swag",
-                          "ensemble", "multiswag", "map+ts"}
+    rows = {"map", "vi", "ivon", "mc_dropout", "sgld", "laplace (val)", "laplace (marglik)", "swag", "ensemble",
+            "multiswag"}
+    assert set(table) == rows | {f"{m}+ts" for m in rows}  # every row and its temperature-scaled twin
     assert table["map"]["cost"][0] == pytest.approx(1.0)
     assert table["ensemble"]["cost"][0] > 1.0  # five networks, trained at once
     for method, row in table.items():
@@ -40,6 +41,10 @@ def test_fast_mode_writes_table_json_and_figure(fast_run):
     assert table["map+ts"]["error"][0] == pytest.approx(table["map"]["error"][0])
     assert table["map+ts"]["nll"][0] == pytest.approx(per_seed["map"]["nll_Topt"])
     assert table["map+ts"]["rotation_nll"][0] == pytest.approx(per_seed["map"]["rotation_nll_Topt"])
+    for m in rows:  # every method's +TS twin: its own validation temperature, the same cost
+        assert table[f"{m}+ts"]["ece"][0] == pytest.approx(per_seed[m]["ece_Topt"])
+        assert table[f"{m}+ts"]["noise_nll"][0] == pytest.approx(per_seed[m]["noise_nll_Topt"])
+        assert table[f"{m}+ts"]["cost"] == table[m]["cost"]
     # every tuned method records the options it chose: its prior std and its knob, both in the table
     tuned = data["datasets"]["digits"]["tuned"]
     assert {m: list(t[0]) for m, t in tuned.items()} == {
@@ -58,5 +63,6 @@ def test_fast_mode_writes_table_json_and_figure(fast_run):
     assert vi_row.endswith(f"| prior_std={tuned['vi'][0]['prior_std']:g}, kl_weight={tuned['vi'][0]['kl_weight']:g} |")
     sweep = data["datasets"]["digits"]["laplace_sweep"]
     assert set(sweep["error"]) == {"probit", "mc"} and len(sweep["error"]["probit"]) == 9
-    # digits: two peer columns, the single-model method against MAP + TS, the Laplace sweep's two links
-    assert sum(line.startswith("- met") or line.startswith("- NOT met") for line in md.splitlines()) == 5
+    # digits: two peer columns, VI and IVON against MAP under shift, the single-model ECE and NLL targets, the
+    # Laplace sweep's two links
+    assert sum(line.startswith("- met") or line.startswith("- NOT met") for line in md.splitlines()) == 8
