@@ -44,6 +44,7 @@ registered as ``"multiswag"``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 import math
 import warnings
@@ -459,6 +460,21 @@ class MultiSWAG(Ensemble):
 
     default_member = "swag"
     recommended = SWAG.recommended  # SWAG's recipe (SGD with momentum) for every member
+
+    @classmethod
+    def run_options(cls, run) -> dict:
+        """:meth:`Ensemble.run_options`, and for SWAG members what :meth:`SWAG.run_options` implies for the
+        run (``swa_lr=None`` under a learning-rate schedule), in ``member_kwargs``.
+
+        Raises:
+            ValueError: as :meth:`SWAG.run_options`, for a ``swa_lr`` in ``member_kwargs`` under a schedule.
+        """
+        out = super().run_options(run)
+        if run.options.get("member", cls.default_member) != "swag":
+            return out
+        given = dict(run.options.get("member_kwargs") or {})
+        implied = SWAG.run_options(dataclasses.replace(run, options=given))
+        return {**out, "member_kwargs": {**given, **implied}} if implied else out
 
 
 def _reinitialise(net: nn.Module, reinit: str | list[str], seed: int) -> None:

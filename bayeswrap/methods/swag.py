@@ -3,7 +3,8 @@ Uncertainty in Deep Learning", NeurIPS; Algorithm 1 and §3–4).
 
 Training is plain MAP training (the NLL plus the Gaussian prior's L2 pull, see
 :class:`~bayeswrap.MAP`) with any optimizer. After ``swa_start`` optimizer steps,
-every ``collect_every``-th iterate θ_i is *collected* (Algorithm 1):
+every ``collect_every``-th iterate θ_i is *collected* (Algorithm 1; by default
+:data:`COLLECTIONS_PER_EPOCH` = 4 times per epoch, see ``collect_every``):
 
 * it is folded into running first and second moments (Welford's algorithm,
   :func:`~bayeswrap.core.samples.welford_update_`, shared with SGLD):
@@ -43,14 +44,32 @@ loaded from one needs :meth:`SWAG.set_bn_update_loader` before it predicts (it
 raises :class:`~bayeswrap.NotFittedError` otherwise, never silently using the
 statistics of the last training iterate).
 
-**Learning rate** (§4; Izmailov et al. 2018): with ``swa_lr`` the model drives the
-optimizer's learning rate per step like cyclical SGLD does: a cosine from each
-parameter group's ``lr`` down to ``swa_lr`` over the first ``swa_start`` steps,
-then ``swa_lr`` constant while collecting. Without it (the default) the
-optimizer's own learning rate (and any schedule the caller runs) is left alone:
-SWAG then collects under a constant learning rate, which is the regime the
-paper's analysis assumes (§3, SGD with a constant step size as approximate
-posterior sampling).
+**Learning rate** (§4; Izmailov et al. 2018). By default (``swa_lr="auto"``) the
+model drives the optimizer's learning rate per step as the authors' reference
+script does (Maddox et al.'s ``experiments/train/run_swag.py``, repository
+wjmaddox/swa_gaussian): every parameter group collects at
+:data:`SWA_LR_RATIO` = 2 × its own training lr, the ratio of that script's
+defaults (``--lr_init 0.01``, ``--swa_lr 0.02``), and reaches it by the script's
+``schedule(epoch)`` (``swa_schedule="linear"``): with t = (step − 1)/``swa_start``
+(0-based steps; the script uses epochs),
+
+    lr(t) = lr₀                                             for t ≤ 0.5,
+    lr(t) = lr₀ + (swa_lr − lr₀) · (t − 0.5)/0.4            for 0.5 < t ≤ 0.9,
+    lr(t) = swa_lr                                          for t > 0.9 and while collecting.
+
+``swa_schedule="cosine"`` moves from lr₀ to ``swa_lr`` by a half cosine over the
+first ``swa_start`` steps instead. A number ``swa_lr`` is the collection lr of
+every group. The paper's CIFAR commands (the same repository's
+``experiments/train/README.md``) decay a large lr instead (lr_init 0.05–0.1 to
+swa_lr 0.01–0.05 over 300 epochs); for the short runs at a constant moderate lr
+that bayeswrap's comparison uses, collecting above the training lr widens the
+collected trajectory, which measured better under shift and out of distribution
+(issue 32: mnist5k and digits). ``swa_lr=None`` leaves the optimizer's learning
+rate (and any schedule the caller runs) alone: SWAG then collects at whatever
+step the optimizer takes, the constant step size of the paper's analysis (§3,
+SGD as approximate posterior sampling) if no schedule is run. A command-line run
+with a learning-rate ``scheduler`` or warm-up keeps that schedule (it implies
+``swa_lr=None``, :meth:`SWAG.run_options`).
 """
 
 from __future__ import annotations
@@ -63,7 +82,7 @@ import torch
 from torch import nn
 
 from bayeswrap.core.batches import batch_pair, to_device, without_key
-from bayeswrap.core.checks import check_float, check_int, check_scale
+from bayeswrap.core.checks import check_choice, check_float, check_int, check_scale
 from bayeswrap.core.functional import NamedTensors, call
 from bayeswrap.core.samples import RingStore, welford_update_, welford_variance
 from bayeswrap.core.schedules import restore_param_groups
@@ -75,6 +94,15 @@ from bayeswrap.methods.predictives import Predictive, Sampled
 SWA_START_FRACTION = 0.5
 #: accepted values of ``covariance``
 COVARIANCES = ("lowrank", "diagonal")
+#: collections per epoch when ``collect_every="auto"``: the paper collects once per epoch over ~140 epochs
+#: (CIFAR); the short runs of a comparison (15-30 epochs, half of them collecting) need several per epoch
+#: for a rank-20 deviation matrix (issue 32)
+COLLECTIONS_PER_EPOCH = 4
+#: collection lr / training lr when ``swa_lr="auto"``: ``--swa_lr 0.02`` over ``--lr_init 0.01``, the
+#: defaults of Maddox et al.'s reference script ``experiments/train/run_swag.py`` (wjmaddox/swa_gaussian)
+SWA_LR_RATIO = 2.0
+#: accepted values of ``swa_schedule``, the learning rate before collecting starts (with ``swa_lr``)
+SWA_SCHEDULES = ("linear", "cosine")
 # key this model adds to the optimizer's param groups while it drives the learning rate (swa_lr)
 _BASE_LR = "swag_base_lr"
 
@@ -94,9 +122,11 @@ class SWAG(MAP):
             float in (0, 1), that fraction of T; or an integer ≥ 0 (steps). A string
             spelling a number (as the command line passes it) is read as that number.
             The paper starts at roughly half of training (161 of 300 epochs on CIFAR).
-        collect_every: optimizer steps between collections: ``"epoch"`` (default; once
-            per epoch, the paper's, resolved from the ``steps_per_epoch`` that
-            :func:`bayeswrap.fit` passes to :meth:`before_fit`) or an integer ≥ 1.
+        collect_every: optimizer steps between collections: ``"auto"`` (default;
+            max(1, ⌊steps_per_epoch / :data:`COLLECTIONS_PER_EPOCH`⌋), i.e. four
+            collections per epoch), ``"epoch"`` (once per epoch, the paper's) or an
+            integer ≥ 1. ``"auto"`` and ``"epoch"`` are resolved from the
+            ``steps_per_epoch`` that :func:`bayeswrap.fit` passes to :meth:`before_fit`.
         max_rank: K, the most deviations held in the low-rank part D̂ (integer ≥ 2;
             the paper's default 20). Memory: K copies of the Bayesian parameters.
         scale: multiplies the sampled covariance, Σ = scale · (Σ_diag + D̂D̂ᵀ/(K − 1));
@@ -104,9 +134,16 @@ class SWAG(MAP):
             paper's covariance Σ_diag/2 + D̂D̂ᵀ/(2(K − 1)). May be changed after training.
         covariance: ``"lowrank"`` (SWAG: diagonal plus low rank) or ``"diagonal"``
             (SWAG-Diag: no deviation matrix is kept).
-        swa_lr: ``None`` (default: the optimizer's learning rate is not touched), or a
-            number > 0: the model then sets each step's learning rate, a cosine from each
-            parameter group's lr to ``swa_lr`` until ``swa_start``, then ``swa_lr``.
+        swa_lr: the learning rate while collecting: ``"auto"`` (default;
+            :data:`SWA_LR_RATIO` = 2 × each parameter group's own lr, the ratio of the
+            defaults of Maddox et al.'s ``run_swag.py``), a number > 0 (every group's),
+            or ``None`` (also ``"none"``: the optimizer's learning rate is not touched).
+            Unless ``None`` the model sets each step's learning rate: ``swa_schedule``
+            until ``swa_start``, then ``swa_lr``.
+        swa_schedule: the learning rate before collecting starts (with ``swa_lr``):
+            ``"linear"`` (default; ``run_swag.py``'s: each group's lr for the first half of
+            ``swa_start``, then linear to ``swa_lr`` at 0.9 · ``swa_start``, then ``swa_lr``) or
+            ``"cosine"`` (a half cosine from each group's lr to ``swa_lr`` over ``swa_start``).
         bn_update_batches: training batches per sample over which the BatchNorm running
             statistics are recomputed (integer ≥ 0; default 10; 0 = off, predictions use
             the statistics of the last training iterate). Ignored for networks without
@@ -123,44 +160,57 @@ class SWAG(MAP):
         ValueError: on an invalid option; the message names the value and lists the accepted ones.
 
     Example:
-        >>> bnn = bw.wrap(model, "swag", num_data=len(train_set), collect_every=len(train_loader))
+        >>> bnn = bw.wrap(model, "swag", num_data=len(train_set))  # collects 4 times per epoch at 2 × lr
         >>> opt = torch.optim.SGD(bnn.param_groups(), lr=0.05, momentum=0.9)
-        >>> bw.fit(bnn, train_loader, epochs=40, optimizer=opt)
+        >>> bw.fit(bnn, train_loader, epochs=40, optimizer=opt)    # lr 0.05, then up to 0.1 from epoch 10 to 18
         >>> probs = bnn.predict(x, num_samples=30)
     """
 
     #: MAP's knob and grid: the prior (the weight decay 1/(N σ²) of the SGD that SWAG follows) changes the
     #: trajectory; the posterior's width is set by the SGD noise
     tuning = MAP.tuning
-    #: the paper's recipe, SGD with momentum (these are also the command line's defaults); swa_lr unset: constant lr
+    #: the paper's recipe, SGD with momentum (these are also the command line's defaults); the collection lr is
+    #: swa_lr's (2 × lr by default)
     recommended = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9}
     select_best_epoch = False  # the posterior is the moments of the whole collection phase, not one epoch's state
     in_default_comparison = True
     loss_free_state = ("deviations.", "moment_mean.", "moment_m2.")
 
-    def __init__(self, model, *, swa_start: int | float | str = "auto", collect_every: int | str = "epoch", max_rank: int = 20,
-                 scale: float = 0.5, covariance: str = "lowrank", swa_lr: float | None = None,
-                 bn_update_batches: int = 10, **kwargs):
+    @classmethod
+    def run_options(cls, run) -> dict:
+        """A run with a learning-rate schedule or warm-up keeps it: ``swa_lr=None`` unless the run gives ``swa_lr``
+        (the model's own lr schedule and an epoch scheduler would both set the learning rate).
+
+        Raises:
+            ValueError: for a run that gives ``swa_lr`` other than None together with a schedule or warm-up.
+        """
+        if run.scheduler == "constant" and not run.warmup_epochs:
+            return {}
+        if "swa_lr" not in run.options:
+            return {"swa_lr": None}
+        if _check_swa_lr(run.options["swa_lr"]) is not None:
+            raise ValueError(f"scheduler={run.scheduler!r}, warmup_epochs={run.warmup_epochs}: SWAG with swa_lr="
+                             f"{run.options['swa_lr']!r} sets its own step size; accepted: scheduler=constant and "
+                             "warmup_epochs=0, or swa_lr=none (the schedule then sets the lr SWAG collects at)")
+        return {}
+
+    def __init__(self, model, *, swa_start: int | float | str = "auto", collect_every: int | str = "auto",
+                 max_rank: int = 20, scale: float = 0.5, covariance: str = "lowrank",
+                 swa_lr: float | str | None = "auto", swa_schedule: str = "linear", bn_update_batches: int = 10,
+                 **kwargs):
         self.swa_start = _check_swa_start(swa_start)
-        if isinstance(collect_every, str) and collect_every.strip() != "epoch":  # e.g. "5" from the command line
-            try:
-                collect_every = int(collect_every)
-            except ValueError:
-                raise ValueError(f"collect_every={collect_every!r} is not accepted; accepted: 'epoch' or an integer "
-                                 ">= 1 (optimizer steps)") from None
-        self.collect_every = "epoch" if isinstance(collect_every, str) else check_int(
-            "collect_every", collect_every, minimum=1, note="optimizer steps, or 'epoch'")
-        self._steps_per_epoch: int | None = None  # resolves collect_every="epoch" (before_fit)
+        self.collect_every = _check_collect_every(collect_every)
+        self._steps_per_epoch: int | None = None  # resolves collect_every="auto"/"epoch" (before_fit)
         self.max_rank = check_int("max_rank", max_rank, minimum=2, note="deviations kept, K")
         self.scale = scale
         if covariance not in COVARIANCES:
             raise ValueError(f"covariance={covariance!r} is not accepted; accepted: {COVARIANCES}")
         self.covariance = covariance
-        self.swa_lr = check_float("swa_lr", swa_lr, low=0.0, low_open=True, allow_none=True,
-                                  note="None: the optimizer's learning rate is left alone")
+        self.swa_lr = _check_swa_lr(swa_lr)
+        self.swa_schedule = check_choice("swa_schedule", swa_schedule, SWA_SCHEDULES)
         self.bn_update_batches = bn_update_batches
         self._auto_swa_start: int | None = None  # swa_start "auto" or a fraction, resolved by before_fit
-        self._optimizer: torch.optim.Optimizer | None = None  # driven by the swa_lr schedule during a fit
+        self._optimizer: torch.optim.Optimizer | None = None  # driven by swa_lr and swa_schedule during a fit
         self._bn_loader = None  # training batches for the BatchNorm update (after_fit); never serialised
         self._fitting = False  # between before_fit and after_fit
         super().__init__(model, **kwargs)
@@ -212,56 +262,66 @@ class SWAG(MAP):
         return self._auto_swa_start
 
     def collect_every_steps(self) -> int:
-        """``collect_every`` in optimizer steps (``"epoch"``: the steps per epoch of the fit).
+        """``collect_every`` in optimizer steps (``"epoch"``: the steps per epoch P of the fit; ``"auto"``:
+        max(1, ⌊P / :data:`COLLECTIONS_PER_EPOCH`⌋)).
 
         Raises:
-            RuntimeError: for ``"epoch"`` before :meth:`before_fit` has learnt the epoch length.
+            RuntimeError: for ``"auto"`` or ``"epoch"`` before :meth:`before_fit` has learnt the epoch length.
         """
-        if self.collect_every != "epoch":
+        if isinstance(self.collect_every, int):
             return self.collect_every
         if self._steps_per_epoch is None:
-            raise RuntimeError("collect_every='epoch' is resolved when bayeswrap.fit starts (before_fit(num_steps, "
-                               "optimizer, steps_per_epoch)); with a hand-written training loop pass collect_every "
-                               "as an integer number of steps, or call before_fit with steps_per_epoch first")
-        return self._steps_per_epoch
+            raise RuntimeError(f"collect_every={self.collect_every!r} is resolved when bayeswrap.fit starts "
+                               "(before_fit(num_steps, optimizer, steps_per_epoch)); with a hand-written training "
+                               "loop pass collect_every as an integer number of steps, or call before_fit with "
+                               "steps_per_epoch first")
+        if self.collect_every == "epoch":
+            return self._steps_per_epoch
+        return max(1, self._steps_per_epoch // COLLECTIONS_PER_EPOCH)
 
     def _collected_upto(self, step: int) -> int:
         """How many of the steps 1..``step`` collect the iterate: the multiples of ``collect_every`` after ``swa_start``.
 
         Collections fall on multiples of the interval (with ``"epoch"``: at the end of an epoch, as the paper's
-        once-per-epoch collection), counting only those after the first ``swa_start`` steps.
+        once-per-epoch collection; with ``"auto"`` at every ⌊P/4⌋-th step), counting only those after the first
+        ``swa_start`` steps.
         """
         every = self.collect_every_steps()
         return max(0, step // every - self.swa_start_steps() // every)
 
     def before_fit(self, num_steps: int | None, optimizer: torch.optim.Optimizer | None = None,
                    steps_per_epoch: int | None = None) -> None:
-        """Resolves ``swa_start`` and, with ``swa_lr``, takes over the optimizer's learning rate.
+        """Resolves ``swa_start`` and ``collect_every`` and, unless ``swa_lr`` is None, takes over the optimizer's
+        learning rate.
 
         The plan covers T = (steps already taken by this model) + ``num_steps`` steps,
         so a fit resumed from a checkpoint (its ``num_steps`` counter restored)
-        collects exactly as the uninterrupted fit. With ``swa_lr`` each parameter
+        collects exactly as the uninterrupted fit. Unless ``swa_lr`` is None each parameter
         group's base learning rate is recorded in the group (key ``swag_base_lr``, so
-        it survives ``optimizer.state_dict()`` and a resume) and restored by
-        :meth:`after_fit`; an epoch LR scheduler's changes are overwritten.
+        it survives ``optimizer.state_dict()`` and a resume; ``swa_lr="auto"`` is 2 × it)
+        and restored by :meth:`after_fit`; an epoch LR scheduler's changes are overwritten
+        (pass ``swa_lr=None`` to train under a scheduler).
 
         Args:
             num_steps: optimizer steps of this fit, or ``None`` if unknown.
             optimizer: the optimizer of the fit.
-            steps_per_epoch: batches per epoch (resolves ``collect_every="epoch"``), or ``None`` if unknown.
+            steps_per_epoch: batches per epoch (resolves ``collect_every="auto"`` and ``"epoch"``), or ``None``
+                if unknown.
 
         Raises:
             ValueError: if ``swa_start`` is ``"auto"`` or a fraction and ``num_steps``
-                is ``None``; if ``collect_every="epoch"`` and ``steps_per_epoch`` is ``None``; if ``swa_lr`` is set without an optimizer; if ``"auto"`` or
+                is ``None``; if ``collect_every`` is ``"auto"`` or ``"epoch"`` and ``steps_per_epoch``
+                is ``None``; if ``swa_lr`` is not None and there is no optimizer; if ``"auto"`` or
                 a fraction would collect nothing in this fit (an integer ``swa_start``
                 that collects nothing only warns: the fit may be a first stage).
         """
         taken = int(self.num_steps)
         total = None if num_steps is None else taken + int(num_steps)
-        if self.collect_every == "epoch":
+        if not isinstance(self.collect_every, int):
             if steps_per_epoch is None:
-                raise ValueError("collect_every='epoch' needs the number of batches per epoch, but the train loader "
-                                 "has no len(); pass collect_every as an integer number of optimizer steps")
+                raise ValueError(f"collect_every={self.collect_every!r} needs the number of batches per epoch, but "
+                                 "the train loader has no len(); pass collect_every as an integer number of "
+                                 "optimizer steps")
             self._steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
         if not isinstance(self.swa_start, int):
             if total is None:
@@ -270,12 +330,13 @@ class SWAG(MAP):
             fraction = SWA_START_FRACTION if self.swa_start == "auto" else self.swa_start
             self._auto_swa_start = math.floor(fraction * total)
         if self.swa_lr is not None and optimizer is None:
-            raise ValueError(f"swa_lr={self.swa_lr}: the model sets the optimizer's learning rate per step, so "
-                             "before_fit needs the optimizer")
+            raise ValueError(f"swa_lr={self.swa_lr!r}: the model sets the optimizer's learning rate per step, so "
+                             "before_fit needs the optimizer; pass swa_lr=None to leave the learning rate alone")
         if total is not None and int(self.num_collected) == 0 and self._collected_upto(total) == 0:
             message = (f"SWAG would collect no iterate: the fit runs optimizer steps {taken + 1}..{total} with "
                        f"swa_start={self.swa_start!r} (= {self.swa_start_steps()} steps) and collect_every="
-                       f"{self.collect_every}; train longer, or lower swa_start or collect_every")
+                       f"{self.collect_every!r} (= {self.collect_every_steps()} steps); train longer, or lower "
+                       "swa_start or collect_every")
             if isinstance(self.swa_start, int):
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
             else:
@@ -287,15 +348,38 @@ class SWAG(MAP):
                 group.setdefault(_BASE_LR, group["lr"])
             self._set_lr(taken + 1)
 
-    def _set_lr(self, step: int) -> None:
-        """Each group's learning rate for 1-based ``step``: cosine to ``swa_lr`` until ``swa_start``, then ``swa_lr``."""
+    def lr_at(self, step: int, base_lr: float) -> float:
+        """The learning rate this model gives 1-based optimizer ``step`` of a group whose training lr is ``base_lr``.
+
+        With t = (step − 1)/``swa_start`` and s = the group's collection lr (``swa_lr``, or
+        :data:`SWA_LR_RATIO` · ``base_lr`` for ``"auto"``): s from step ``swa_start`` + 1 on; before,
+        ``"linear"``: ``base_lr`` for t ≤ 0.5, ``base_lr`` + (s − ``base_lr``) · (t − 0.5)/0.4 for
+        0.5 < t ≤ 0.9, then s (Maddox et al.'s ``run_swag.py``, ``schedule(epoch)``, per step);
+        ``"cosine"``: s + (``base_lr`` − s) · (1 + cos(π t))/2.
+
+        Raises:
+            ValueError: if ``swa_lr`` is None (the model does not set the learning rate).
+            RuntimeError: for ``swa_start="auto"`` or a fraction before :meth:`before_fit`.
+        """
+        if self.swa_lr is None:
+            raise ValueError("swa_lr=None: the model leaves the optimizer's learning rate alone")
+        target = SWA_LR_RATIO * base_lr if self.swa_lr == "auto" else self.swa_lr
         start = self.swa_start_steps()
+        if step > start:
+            return target
+        t = (step - 1) / start
+        if self.swa_schedule == "cosine":
+            return target + (base_lr - target) * 0.5 * (1.0 + math.cos(math.pi * t))
+        if t <= 0.5:
+            return base_lr
+        if t <= 0.9:
+            return base_lr + (target - base_lr) * (t - 0.5) / 0.4
+        return target
+
+    def _set_lr(self, step: int) -> None:
+        """Sets each group's learning rate for 1-based ``step`` (:meth:`lr_at` of its recorded base lr)."""
         for group in self._optimizer.param_groups:
-            if step > start:
-                group["lr"] = self.swa_lr
-            else:
-                base = group[_BASE_LR]
-                group["lr"] = self.swa_lr + (base - self.swa_lr) * 0.5 * (1.0 + math.cos(math.pi * (step - 1) / start))
+            group["lr"] = self.lr_at(step, group[_BASE_LR])
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -349,7 +433,7 @@ class SWAG(MAP):
         start = repr(self.swa_start) + (f" (= {self._auto_swa_start} steps)" if self._auto_swa_start is not None
                                         and not isinstance(self.swa_start, int) else "")
         return (f"no SWAG iterate has been collected yet ({int(self.num_steps)} steps taken, swa_start={start}, "
-                f"collect_every={self.collect_every}); train for more steps or lower swa_start")
+                f"collect_every={self.collect_every!r}); train for more steps or lower swa_start")
 
     def _point_estimate(self):
         return self.theta.as_dict()
@@ -530,6 +614,38 @@ class SWAG(MAP):
         if not self._bn_update_active():
             return super()._deterministic_buffers()
         return self.bn_statistics(self.posterior_mean())
+
+
+def _check_collect_every(value):
+    """``"auto"``, ``"epoch"`` or an integer ≥ 1 (a string spelling one is read as it)."""
+    accepted = (f"accepted: 'auto' ({COLLECTIONS_PER_EPOCH} collections per epoch), 'epoch' or an integer >= 1 "
+                "(optimizer steps)")
+    if isinstance(value, str):
+        text = value.strip()
+        if text in ("auto", "epoch"):
+            return text
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"collect_every={value!r} is not accepted; {accepted}") from None
+    return check_int("collect_every", value, minimum=1, note=accepted)
+
+
+def _check_swa_lr(value):
+    """``"auto"``, ``None`` (or ``"none"``) or a number > 0 (a string spelling one is read as it)."""
+    accepted = (f"accepted: 'auto' ({SWA_LR_RATIO:g} x each parameter group's lr), None or 'none' (the optimizer's "
+                "lr is left alone) or a number > 0")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if text == "none":
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"swa_lr={value!r} is not accepted; {accepted}") from None
+    return check_float("swa_lr", value, low=0.0, low_open=True, allow_none=True, note=accepted)
 
 
 def _check_swa_start(value):
