@@ -136,6 +136,54 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
     return torch.cat(probs, 1), torch.cat(targets)
 
 
+@torch.no_grad()
+def predictive_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generator: torch.Generator | None = None,
+                      samples: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The model's posterior predictive for every example of a loader, and the per-sample probabilities.
+
+    The predictive is what :meth:`BayesianModel.predict` computes with the model's
+    :meth:`~BayesianModel.default_predictive` (Laplace: the GLM predictive with its ``link_approx``, probit by
+    default); the per-sample probabilities are what the sample-based measures (mutual information, variation
+    ratio) need. When the predictive is the average of its samples' probabilities
+    (:meth:`~bayeswrap.methods.predictives.Predictive.is_sample_average`: sampled weights, stored draws,
+    ensembles, the GLM's Monte Carlo link) one pass of :func:`sample_probs_loader` gives both, the predictive
+    being its float64 mean over S, with the same ``generator`` use. Otherwise (Laplace's probit link) the
+    predictive comes from :func:`predict_loader`, and the samples, when asked for and S ≥ 2, from a second pass
+    of :func:`sample_probs_loader` with the same ``generator`` (the probit link draws nothing).
+
+    Args:
+        bnn: a Bayesian model with a categorical likelihood (its train/eval mode is used as it is).
+        loader: iterable of ``(inputs, targets)`` batches, inputs as in :func:`predict_loader`.
+        num_samples: S ≥ 0 (0: the posterior mean).
+        generator: optional ``torch.Generator`` for reproducible samples.
+        samples: whether the per-sample probabilities are wanted (False: returned as None, and a predictive
+            that is not their average makes no second pass).
+
+    Returns:
+        ``(probs, sample_probs, targets)``: the predictive (N, K) float64; the per-sample probabilities
+        (max(S, 1), N, K) as :func:`sample_probs_loader` returns them, or None (``samples=False``, or a predictive
+        that is not their average at S < 2, where no sample-based measure exists); labels (N,) int64. All on
+        the CPU.
+
+    Raises:
+        ValueError: as :func:`sample_probs_loader` and :func:`predict_loader`.
+        NotFittedError: if the posterior does not exist yet.
+    """
+    if bnn.likelihood.name != "categorical":
+        raise ValueError(f"predictive_loader needs a categorical likelihood; this model's is "
+                         f"{bnn.likelihood.name!r}")
+    num_samples = check_int("num_samples", num_samples, minimum=0)
+    bnn._check_ready()
+    if bnn.default_predictive().is_sample_average(bnn, num_samples):
+        sample_probs, targets = sample_probs_loader(bnn, loader, num_samples, generator=generator)
+        return sample_probs.double().mean(0), sample_probs if samples else None, targets
+    probs, targets = predict_loader(bnn, loader, num_samples, generator=generator)
+    sample_probs = None
+    if samples and num_samples >= 2:
+        sample_probs = sample_probs_loader(bnn, loader, num_samples, generator=generator)[0]
+    return probs.double(), sample_probs, targets
+
+
 def _targets_on_cpu(bnn: BayesianModel, y) -> torch.Tensor:
     """One batch's targets on the CPU; class labels of any integer dtype as int64."""
     if not isinstance(y, torch.Tensor):

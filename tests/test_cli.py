@@ -35,8 +35,11 @@ def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
                for m in DEFAULT_COMPARISON}
     assert cost == pytest.approx({m: seconds[m.split(" ")[0]] / seconds["map"] for m in cost}, rel=1e-3)
     assert (base / "comparison.md").read_text().startswith(
-        "| method | tuned | cost | num_samples | error | ece | nll | ece_Topt | nll_Topt | temperature | shift_error | shift_ece | "
-        "shift_nll | shift_ece_Topt | shift_nll_Topt | ood_auroc_entropy | ood_auroc_mi |")
+        "| method | tuned | cost | num_samples | predictive | error | ece | nll | ece_Topt | nll_Topt | temperature | "
+        "shift_error | shift_ece | shift_nll | shift_ece_Topt | shift_nll_Topt | ood_auroc_entropy | ood_auroc_mi |")
+    # each row names the predictive it was scored with: Laplace's own, the closed-form probit GLM
+    assert {r["predictive"] for r in rows if r["method"].startswith("laplace")} == {"GLM(link='probit')"}
+    assert {r["predictive"] for r in rows if r["method"] in ("map", "vi")} == {"Sampled()"}
     for name in ("reliability.png", "shift.png", "risk_coverage.png", "gamma.png"):
         assert (base / name).stat().st_size > 10_000, name
     for method in DEFAULT_COMPARISON:

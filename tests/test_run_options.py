@@ -1,6 +1,7 @@
 """What a run implies for a method (``BayesianModel.run_options``), and an application that names no method."""
 
 import ast
+import inspect
 import logging
 import pathlib
 import subprocess
@@ -16,10 +17,14 @@ from bayeswrap.methods.run_info import RunInfo
 APP = pathlib.Path(bayeswrap.__file__).parent / "app"
 
 
-def test_laplace_scores_the_sampled_glm_predictive_unless_the_run_sets_its_link():
+def test_a_run_keeps_laplaces_own_link():
+    """A run implies nothing for Laplace: its predictive is the constructor's link (probit unless the run sets one).
+    """
     laplace = METHODS["laplace"]
-    assert laplace.run_options(RunInfo(epochs=2)) == {"link_approx": "mc"}
-    assert laplace.run_options(RunInfo(epochs=2, options={"link_approx": "probit"})) == {}
+    assert laplace.run_options(RunInfo(epochs=2)) == {}
+    assert laplace.run_options(RunInfo(epochs=2, options={"link_approx": "mc"})) == {}
+    assert "link_approx" not in resolve(None, {"method": "laplace"}).init_arguments()
+    assert inspect.signature(laplace.__init__).parameters["link_approx"].default == "probit"
 
 
 def test_sgld_burn_in_from_the_run_epochs_and_cycles():

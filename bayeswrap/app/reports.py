@@ -20,58 +20,72 @@ from bayeswrap.app.config import RunConfig
 from bayeswrap.data.shift import CORRUPTION, shifted_dataset
 from bayeswrap.evaluation import calibration, conformal, plots, protocol
 from bayeswrap.evaluation.uncertainty import expected_entropy, mutual_information, predictive_entropy
-from bayeswrap.predictive import sample_probs_loader
+from bayeswrap.predictive import predictive_loader
 
 log = logging.getLogger("bayeswrap")
 
 
 def final_reports(bnn, splits, ood_test, cfg: RunConfig, num_samples: int, device) -> tuple[dict, dict]:
-    """The evaluation protocol of the posterior predictive with S samples.
+    """The evaluation protocol of the model's posterior predictive with S samples.
 
     In distribution on test (temperature fitted on val), under every shift of
     ``cfg`` (rotation, noise; each shifted test set scored at T = 1 and at the
-    in-distribution T) and against the held-out classes. Sampling uses
-    generators seeded by ``cfg.seed`` (a fresh one per shifted set), so
-    ``evaluate`` recomputes exactly the same numbers from the saved checkpoint.
+    in-distribution T) and against the held-out classes. Every point metric (error, NLL, ECE, temperature,
+    conformal sets, shift and corruption scores, the entropy and confidence OOD scores) is of the predictive
+    :meth:`~bayeswrap.BayesianModel.predict` computes with the model's default predictive (Laplace: its
+    ``link_approx``, the closed-form probit link by default); the per-sample probabilities are used only by
+    the sample-based measures (mutual information, variation ratio, predictive std), see
+    :func:`bayeswrap.predictive.predictive_loader`. Sampling uses generators seeded by ``cfg.seed`` (a fresh
+    one per shifted set), so ``evaluate`` recomputes exactly the same numbers from the saved checkpoint.
 
     Returns:
         ``(report, arrays)``: the report of
-        :func:`bayeswrap.evaluation.protocol.prediction_report` with ``num_samples``,
+        :func:`bayeswrap.evaluation.protocol.prediction_report` with ``num_samples``, ``predictive`` (the
+        ``repr`` of the model's default predictive, e.g. ``"GLM(link='probit')"`` or ``"Sampled()"``; at
+        S = 0 every predictive evaluates the posterior mean), ``conformal``,
         ``shift`` and ``ood`` added (and ``corruption``, the
         :func:`~bayeswrap.evaluation.protocol.corruption_report`, when ``cfg.shift_corruptions`` is set), and the
-        predictive probabilities and labels used.
+        predictive probabilities (float64) and labels used.
     """
     bnn.eval()
+    averaged = bnn.default_predictive().is_sample_average(bnn, num_samples)
 
-    def predict(dataset, seed_offset: int = 0):
+    def predict(dataset, seed_offset: int = 0, samples: bool = False):
         gen = torch.Generator(device=device).manual_seed(cfg.seed + seed_offset)
-        return sample_probs_loader(bnn, eval_loader(dataset, cfg), num_samples, generator=gen)
+        return predictive_loader(bnn, eval_loader(dataset, cfg), num_samples, generator=gen, samples=samples)
+
+    def shifted(kind: str, level) -> tuple[torch.Tensor, torch.Tensor]:  # the predictive and labels under a shift
+        probs, _, labels = predict(shifted_dataset(splits.test, kind, level, image_shape=splits.image_shape,
+                                                   seed=cfg.seed))
+        return probs, labels
 
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    test = sample_probs_loader(bnn, eval_loader(splits.test, cfg), num_samples, generator=gen)
-    val = sample_probs_loader(bnn, eval_loader(splits.val, cfg), num_samples, generator=gen) if len(splits.val) \
-        else None
-    report = protocol.prediction_report(*test, val=val, n_bins=cfg.n_bins)
+    test = predictive_loader(bnn, eval_loader(splits.test, cfg), num_samples, generator=gen)
+    val = predictive_loader(bnn, eval_loader(splits.val, cfg), num_samples, generator=gen, samples=False) \
+        if len(splits.val) else None
+    # a predictive that is the samples' mean is scored from the samples as before (the entropy of their
+    # renormalised mean); any other by its own probabilities
+    report = protocol.prediction_report(test[1], test[2], probs=None if averaged else test[0],
+                                        val=None if val is None else (val[0], val[2]), n_bins=cfg.n_bins)
     report["num_samples"] = num_samples
+    report["predictive"] = repr(bnn.default_predictive())
     # split conformal sets of the predictive at T = 1 (a temperature fitted on val would reuse the calibration data)
     report["conformal"] = None if val is None else conformal.conformal_report(
-        val[0].double().mean(0), val[1], test[0].double().mean(0), test[1], cfg.conformal_alpha,
-        score=cfg.conformal_score)
+        val[0], val[2], test[0], test[2], cfg.conformal_alpha, score=cfg.conformal_score)
     grids = {"rotation": cfg.rotation_angles(), "noise": cfg.noise_stds()}
-    report["shift"] = protocol.shift_report(
-        lambda kind, level: predict(shifted_dataset(splits.test, kind, level, image_shape=splits.image_shape,
-                                                    seed=cfg.seed)),
-        grids, temperature=report.get("temperature", 1.0), n_bins=cfg.n_bins)
+    report["shift"] = protocol.shift_report(shifted, grids, temperature=report.get("temperature", 1.0),
+                                            n_bins=cfg.n_bins)
     if cfg.corruptions():  # severity 0 is the clean test set, scored above with the same generator seed
         report["corruption"] = protocol.corruption_report(
-            lambda name, severity: test if severity == 0 else predict(shifted_dataset(
-                splits.test, CORRUPTION + name, severity, image_shape=splits.image_shape, seed=cfg.seed)),
+            lambda name, severity: (test[0], test[2]) if severity == 0 else shifted(CORRUPTION + name, severity),
             cfg.corruptions(), cfg.severities(), temperature=report.get("temperature", 1.0), n_bins=cfg.n_bins)
     report["ood"] = None
     if ood_test is not None:
+        ood = predict(ood_test, 1, samples=True)
         report["ood"] = {"classes": list(cfg.held_out_classes(splits.name)),
-                         **protocol.ood_report(test[0], predict(ood_test, 1)[0])}
-    arrays = {"test": (test[0].mean(0), test[1]), "val": None if val is None else (val[0].mean(0), val[1])}
+                         **protocol.ood_report(test[1], ood[1], probs_in=None if averaged else test[0],
+                                               probs_out=None if averaged else ood[0])}
+    arrays = {"test": (test[0], test[2]), "val": None if val is None else (val[0], val[2])}
     return report, arrays
 
 
@@ -141,12 +155,13 @@ def history_csv(history: list[dict]) -> str:
     return buf.getvalue()
 
 
-COMPARE_COLUMNS = ("method", "tuned", "cost", "num_samples", "error", "ece", "nll", "ece_Topt", "nll_Topt",
+COMPARE_COLUMNS = ("method", "tuned", "cost", "num_samples", "predictive", "error", "ece", "nll", "ece_Topt", "nll_Topt",
                    "temperature", "shift_error", "shift_ece", "shift_nll", "shift_ece_Topt", "shift_nll_Topt",
                    "ood_auroc_entropy", "ood_auroc_mi", "coverage", "set_size")
 """Columns of comparison.md/.csv: the options chosen by tuning (``prior_std=0.3, kl_weight=0.01``; empty
 with ``--no-tune``); the final run's training time as a multiple of MAP's in the same comparison (empty
-without MAP; tuning runs not counted); in distribution at T = 1 and at the fitted T; the mean over every
+without MAP; tuning runs not counted); S; the predictive the row was scored with (the method's default, e.g.
+``GLM(link='probit')`` for Laplace, ``Sampled()``; empty for a run from before it was recorded); in distribution at T = 1 and at the fitted T; the mean over every
 non-zero shift intensity (rotation and noise) at T = 1 and at the in-distribution T; OOD AUROC of
 held-out classes scored by predictive entropy and by mutual information (empty for S < 2); the test coverage and
 mean size of the split conformal sets (``conformal_alpha``, ``conformal_score``; empty without validation data)."""
@@ -186,6 +201,7 @@ def comparison_rows(results: dict[str, dict], baseline: str) -> list[dict]:
             shift = (rep.get("shift") or {}).get("summary", {})
             ood = rep.get("ood") or {}
             rows.append({"method": label, "tuned": tuned_text(metrics), "cost": cost, "num_samples": int(s),
+                         "predictive": rep.get("predictive"),
                          "error": rep["T1"]["error"], "ece": rep["T1"]["ece"], "nll": rep["T1"]["nll"],
                          "ece_Topt": topt.get("ece"), "nll_Topt": topt.get("nll"),
                          "temperature": rep.get("temperature"),

@@ -3,7 +3,12 @@
 What every ``bayeswrap fit``/``compare``/``evaluate`` run reports, built from the
 metric modules beside this one and independent of any model: the functions
 take sampled class probabilities ``sample_probs`` of shape (S, N, K) (S = 1 for
-a point estimate) or a callable that produces them.
+a point estimate) or a callable that produces them, and optionally the
+predictive ``probs`` (N, K) when it is not their mean over S (Laplace's probit
+link, a closed form). Every point metric (error, NLL, ECE, temperature,
+selective prediction, entropy, shift scores) is of the predictive; only the
+sample-based measures (mutual information, variation ratio, predictive std)
+read the samples.
 
 * :func:`prediction_report`: calibration at T = 1 and at the validation-fitted T
   (:func:`bayeswrap.evaluation.calibration.report`), the reliability bins,
@@ -77,20 +82,28 @@ def distinct_samples(sample_probs: torch.Tensor) -> torch.Tensor:
     return sample_probs[:1] if torch.equal(sample_probs, sample_probs[:1].expand_as(sample_probs)) else sample_probs
 
 
-def measures(sample_probs: torch.Tensor) -> dict[str, torch.Tensor]:
+def measures(sample_probs: torch.Tensor | None, probs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-example uncertainty scores (higher = more uncertain) available for S samples.
 
     Args:
-        sample_probs: (S, N, K) class probabilities under S posterior samples.
+        sample_probs: (S, N, K) class probabilities under S posterior samples, or None (``probs`` only).
+        probs: optional (N, K) predictive when it is not the mean of ``sample_probs`` over S; the entropy is
+            then its entropy.
 
     Returns:
-        ``{"entropy": (N,)}``, plus ``"mutual_information"``, ``"variation_ratio"`` and
+        ``{"entropy": (N,)}`` (of the predictive), plus ``"mutual_information"``, ``"variation_ratio"`` and
         ``"predictive_std"`` (each (N,) float64) when there are S ≥ 2 distinct samples
         (see :func:`distinct_samples`).
+
+    Raises:
+        ValueError: if both are None.
     """
-    sample_probs = distinct_samples(sample_probs)
-    out = {"entropy": predictive_entropy(sample_probs)}
-    if sample_probs.shape[0] >= 2:
+    if sample_probs is None and probs is None:
+        raise ValueError("measures needs sample_probs (S, N, K) or probs (N, K); both are None")
+    if sample_probs is not None:
+        sample_probs = distinct_samples(sample_probs)
+    out = {"entropy": predictive_entropy(sample_probs if probs is None else probs[None])}
+    if sample_probs is not None and sample_probs.shape[0] >= 2:
         out.update(mutual_information=mutual_information(sample_probs),
                    variation_ratio=variation_ratio(sample_probs), predictive_std=predictive_std(sample_probs))
     return out
@@ -103,21 +116,25 @@ def _thin(values: torch.Tensor, max_points: int = _MAX_CURVE_POINTS) -> list[flo
     return [float(v) for v in values[idx]]
 
 
-def prediction_report(sample_probs: torch.Tensor, labels: torch.Tensor, *,
+def prediction_report(sample_probs: torch.Tensor | None, labels: torch.Tensor, *,
                       val: tuple[torch.Tensor, torch.Tensor] | None = None, n_bins: int = 15,
-                      alphas: Sequence[float] = GAMMA_ALPHAS) -> dict[str, Any]:
+                      alphas: Sequence[float] = GAMMA_ALPHAS, probs: torch.Tensor | None = None) -> dict[str, Any]:
     """In-distribution report of a posterior predictive.
 
     Args:
         sample_probs: (S, N, K) test class probabilities under S ≥ 1 samples; the
-            predictive is their mean over S.
+            predictive is their mean over S unless ``probs`` is given. None, or the predictive (N, K)
+            itself: no sample-based measure.
         labels: (N,) int64 test labels.
-        val: optional ``(sample_probs_val, labels_val)``; the temperature is fitted on it.
+        val: optional ``(probs_val, labels_val)`` with the validation predictive (N_val, K), or
+            per-sample probabilities (S, N_val, K) whose mean over S it is; the temperature is fitted on it.
         n_bins: bins of ECE/MCE and the reliability bins.
         alphas: α grid of the γ curves, each in (0, 1).
+        probs: optional (N, K) test predictive when it is not the mean of ``sample_probs`` (Laplace's probit
+            link): every point metric and the entropy are of it.
 
     Returns:
-        :func:`bayeswrap.evaluation.calibration.report` of the mean predictive
+        :func:`bayeswrap.evaluation.calibration.report` of the predictive
         (keys ``T1``, and with ``val`` also ``temperature``, ``Topt``, ``val``), plus
         ``bins`` (the top-label reliability bins at T = 1, ``BinStats.to_dict()``),
         ``selective`` (``aurc`` and at most 200 points of the risk-coverage curve,
@@ -126,10 +143,14 @@ def prediction_report(sample_probs: torch.Tensor, labels: torch.Tensor, *,
         misclassified or no correct example).
 
     Raises:
-        ValueError: on bad shapes or probabilities (see the metric modules).
+        ValueError: on bad shapes or probabilities (see the metric modules), or when ``sample_probs`` and
+            ``probs`` are both None.
     """
-    probs = sample_probs.double().mean(0)
-    val_pair = None if val is None else (val[0].double().mean(0), val[1])
+    if sample_probs is not None and sample_probs.dim() == 2 and probs is None:  # a predictive without samples
+        sample_probs, probs = None, sample_probs
+    given = probs
+    probs = _predictive(sample_probs, probs)
+    val_pair = None if val is None else (_predictive(val[0]), val[1])
     out = calibration.report(probs, labels, val=val_pair, n_bins=n_bins)
     out["bins"] = calibration.bin_stats(probs, labels, n_bins).to_dict()
     confidence, predicted = probs.max(1)
@@ -139,10 +160,21 @@ def prediction_report(sample_probs: torch.Tensor, labels: torch.Tensor, *,
     if 0 < int(correct.sum()) < len(correct):
         out["gamma"] = {"alphas": [float(a) for a in alphas],
                         **{name: gamma_curve(u, correct, alphas).tolist()
-                           for name, u in measures(sample_probs).items()}}
+                           for name, u in measures(sample_probs, given).items()}}
     else:
         out["gamma"] = None
     return out
+
+
+def _predictive(sample_probs: torch.Tensor | None, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """The predictive (N, K) float64: ``probs`` if given, else ``sample_probs`` itself when it is (N, K), else its
+    mean over S of (S, N, K).
+    """
+    if probs is not None:
+        return probs.double()
+    if sample_probs is None:
+        raise ValueError("no probabilities given: accepted: sample_probs (S, N, K) or probs (N, K)")
+    return sample_probs.double() if sample_probs.dim() == 2 else sample_probs.double().mean(0)
 
 
 def _scores(probs: torch.Tensor, labels: torch.Tensor, n_bins: int) -> dict[str, float]:
@@ -159,8 +191,9 @@ def shift_report(predict_shifted: Callable[[str, float], tuple[torch.Tensor, tor
     *in-distribution* validation set, as a deployed model would.
 
     Args:
-        predict_shifted: ``(kind, intensity) -> (sample_probs (S, N, K), labels (N,))``
-            on the test set under that shift (see :mod:`bayeswrap.data.shift`).
+        predict_shifted: ``(kind, intensity) -> (probs, labels (N,))`` on the test set under that shift
+            (see :mod:`bayeswrap.data.shift`), with ``probs`` the predictive (N, K) or per-sample
+            probabilities (S, N, K) whose mean over S it is.
         grids: ``{kind: intensities}``, e.g. ``{"rotation": (0, 15, ..., 180),
             "noise": (0.0, 0.1, ...)}`` (degrees; pixel std on [0, 1] images). Empty
             grids are skipped.
@@ -188,7 +221,7 @@ def shift_report(predict_shifted: Callable[[str, float], tuple[torch.Tensor, tor
                                   "T1": {m: [] for m in SHIFT_METRICS}, "Topt": {m: [] for m in SHIFT_METRICS}}
         for level in grid:
             sample_probs, labels = predict_shifted(kind, float(level))
-            probs = sample_probs.double().mean(0)
+            probs = _predictive(sample_probs)
             scaled = calibration.apply_temperature(probs.clamp_min(1e-300).log(), temperature)
             for tag, p in (("T1", probs), ("Topt", scaled)):
                 for metric, value in _scores(p, labels, n_bins).items():
@@ -213,8 +246,8 @@ def corruption_report(predict_corrupted: Callable[[str, int], tuple[torch.Tensor
     and at ``severities`` by :func:`shift_report`, at T = 1 and at the in-distribution T.
 
     Args:
-        predict_corrupted: ``(corruption, severity) -> (sample_probs (S, N, K), labels (N,))``
-            on the test set under that corruption; severity 0 is the clean test set (see
+        predict_corrupted: ``(corruption, severity) -> (probs, labels (N,))`` on the test set under that
+            corruption, ``probs`` as in :func:`shift_report`; severity 0 is the clean test set (see
             :mod:`bayeswrap.data.corruptions`).
         corruptions: corruption names, at least one, no repeats.
         severities: distinct ints in 1..5 (at least one).
@@ -252,12 +285,16 @@ def corruption_report(predict_corrupted: Callable[[str, int], tuple[torch.Tensor
             "summary_by_corruption": rep["summary_by_kind"]}
 
 
-def ood_report(sample_probs_in: torch.Tensor, sample_probs_out: torch.Tensor) -> dict[str, Any]:
+def ood_report(sample_probs_in: torch.Tensor | None, sample_probs_out: torch.Tensor | None, *,
+               probs_in: torch.Tensor | None = None, probs_out: torch.Tensor | None = None) -> dict[str, Any]:
     """Out-of-distribution detection from the predictive's uncertainty.
 
     Args:
-        sample_probs_in: (S, N_in, K) probabilities on in-distribution test inputs.
-        sample_probs_out: (S, N_out, K) probabilities on out-of-distribution inputs.
+        sample_probs_in: (S, N_in, K) probabilities on in-distribution test inputs, or None (``probs_in`` only).
+        sample_probs_out: (S, N_out, K) probabilities on out-of-distribution inputs, or None.
+        probs_in, probs_out: optional predictives (N_in, K) and (N_out, K) when they are not the means of the
+            samples over S (Laplace's probit link): the entropy and confidence scores are of them. Give both or
+            neither.
 
     Returns:
         ``{"n_in", "n_out", "entropy", "mutual_information", "confidence"}``: each
@@ -268,18 +305,28 @@ def ood_report(sample_probs_in: torch.Tensor, sample_probs_out: torch.Tensor) ->
         samples (see :func:`distinct_samples`).
 
     Raises:
-        ValueError: if either set is empty or the class counts differ.
+        ValueError: if either set is empty or the class counts differ, or only one of ``probs_in`` and
+            ``probs_out`` is given, or a set has neither samples nor a predictive.
     """
-    if sample_probs_in.shape[-1] != sample_probs_out.shape[-1]:
-        raise ValueError(f"in- and out-of-distribution probabilities have K = {sample_probs_in.shape[-1]} and "
-                         f"{sample_probs_out.shape[-1]} classes; accepted: the same K")
-    p_in, p_out = sample_probs_in.double().mean(0), sample_probs_out.double().mean(0)
+    if (probs_in is None) != (probs_out is None):
+        raise ValueError("ood_report scores both sets by the same predictive; accepted: probs_in and probs_out "
+                         "both given, or both None")
+    p_in, p_out = _predictive(sample_probs_in, probs_in), _predictive(sample_probs_out, probs_out)
+    if p_in.shape[-1] != p_out.shape[-1]:
+        raise ValueError(f"in- and out-of-distribution probabilities have K = {p_in.shape[-1]} and "
+                         f"{p_out.shape[-1]} classes; accepted: the same K")
+    if probs_in is None:  # the predictive is the samples' mean: its entropy from the samples (checked, renormalised)
+        entropy_in, entropy_out = predictive_entropy(sample_probs_in), predictive_entropy(sample_probs_out)
+    else:
+        entropy_in, entropy_out = predictive_entropy(probs_in[None]), predictive_entropy(probs_out[None])
     out: dict[str, Any] = {
-        "n_in": int(sample_probs_in.shape[1]), "n_out": int(sample_probs_out.shape[1]),
-        "entropy": ood_metrics(predictive_entropy(sample_probs_in), predictive_entropy(sample_probs_out)),
+        "n_in": int(p_in.shape[0]), "n_out": int(p_out.shape[0]),
+        "entropy": ood_metrics(entropy_in, entropy_out),
         "mutual_information": None,
         "confidence": ood_metrics(1 - p_in.max(1).values, 1 - p_out.max(1).values),
     }
+    if sample_probs_in is None or sample_probs_out is None:
+        return out
     if min(len(distinct_samples(sample_probs_in)), len(distinct_samples(sample_probs_out))) >= 2:
         out["mutual_information"] = ood_metrics(mutual_information(sample_probs_in),
                                                 mutual_information(sample_probs_out))

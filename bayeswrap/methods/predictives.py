@@ -69,6 +69,22 @@ class Predictive(ABC):
             return bnn._predictive(bnn._mean_outputs(x))
         return bnn._predictive(self.outputs(bnn, x, num_samples, generator))
 
+    def is_sample_average(self, bnn: BayesianModel, num_samples: int) -> bool:
+        """Whether :meth:`predict` is the likelihood's average of the per-sample outputs, for this model and S.
+
+        True (the default) when ``predict(bnn, x, S, g)`` averages the likelihood over :meth:`outputs`
+        ``(bnn, x, S, g)`` for the same generator state (S ≥ 1), or is the likelihood at ``bnn._mean_outputs(x)``
+        (S = 0): then the per-sample probabilities of :func:`~bayeswrap.predictive.sample_probs_loader`, averaged
+        over S, are the predictive, and :func:`~bayeswrap.predictive.predictive_loader` needs one pass. A predictive
+        whose :meth:`predict` is computed otherwise (Laplace's probit link, a closed form; the median probability
+        model at S = 0) returns False, and its predictive is computed by :meth:`predict` itself.
+
+        Args:
+            bnn: the model the predictive is used with.
+            num_samples: S ≥ 0.
+        """
+        return True
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -158,6 +174,10 @@ class MedianModel(Predictive):
             return bnn._predictive(bnn.forward_with(bnn.mpm_mean(), x).unsqueeze(0))
         return super().predict(bnn, x, num_samples, generator)
 
+    def is_sample_average(self, bnn, num_samples):
+        """False at S = 0 (the median model's mean, not the posterior mean); True for S ≥ 1."""
+        return num_samples > 0
+
 
 class Mixture(Predictive):
     """An ensemble's predictive: the members' predictives mixed, (1/S) Σ_m S_m p̂_m(y | x).
@@ -182,6 +202,13 @@ class Mixture(Predictive):
                 preds.append(member.predict(x, num_samples=draws, generator=generator))
                 weights.append(s / total)
         return mixture(bnn.likelihood.name, preds, weights)
+
+    def is_sample_average(self, bnn, num_samples):
+        """True when every member's own predictive is its sample average (the mixture weights are the members'
+        shares of S, as in :meth:`outputs`).
+        """
+        counts = bnn.draws_per_member(num_samples) if num_samples else [0] * len(bnn.members)
+        return all(m.default_predictive().is_sample_average(m, s) for m, s in zip(bnn.members, counts))
 
 
 def mixture(likelihood: str, preds: list, weights: list[float]):

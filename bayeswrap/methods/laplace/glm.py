@@ -296,6 +296,10 @@ class GLM(Predictive):
             return at_least_float32(kappa * f_mu).softmax(-1)
         return f_mu, f_var + bnn.likelihood.noise_std**2
 
+    def is_sample_average(self, bnn, num_samples):
+        """``"mc"``: True (the average of the linearised samples); ``"probit"``: True only at S = 0 (the MAP)."""
+        return self.link == "mc" or num_samples == 0
+
     def __repr__(self) -> str:
         return f"GLM(link={self.link!r})"
 

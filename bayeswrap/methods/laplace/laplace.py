@@ -174,13 +174,6 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
     #: maximises the marginal likelihood (no validation data; Daxberger et al. 2021, §4)
     operating_points = ("marglik",)
 
-    @classmethod
-    def run_options(cls, run) -> dict:
-        """A run scores every method by the same S-sample predictive: the GLM predictive is sampled
-        (``link_approx="mc"``) unless the run sets ``link_approx``.
-        """
-        return {} if "link_approx" in run.options else {"link_approx": "mc"}
-
     def __init__(self, model, *, curvature: str = "ggn", curvature_chunk_size: int = 32,
                  curvature_samples: int = 1, pred_type: str = "glm", link_approx: str = "probit",
                  curvature_backend: str = "layers", hessian_structure: str = "diag",

@@ -295,7 +295,7 @@ class FullPosterior(_Structure):
         self._cache = None
 
     def _decompose(self):
-        return torch.linalg.eigh(self.H)
+        return psd_eigh(self.H)
 
     @property
     def eigvals(self) -> torch.Tensor:
@@ -338,9 +338,9 @@ class FullPosterior(_Structure):
             return self.eigvecs, self.eigvals + value
         key = (tuple(float(delta[n]) for n in self.shapes), self._decomposition_key())
         cached = getattr(self, "_factor_cache", None)
-        if cached is None or cached[0] != key:
-            lam, vecs = torch.linalg.eigh(self.precision(delta))
-            self._factor_cache = (key, vecs, lam)
+        if cached is None or cached[0] != key:  # H + diag(δ) ⪰ min δ · I: as psd_eigh, clamped to that bound
+            lam, vecs = psd_eigh(self.precision(delta))
+            self._factor_cache = (key, vecs, lam.clamp_min(min(float(v) for v in delta.values())))
         return self._factor_cache[1], self._factor_cache[2]
 
     def marginal_variances(self, delta: Delta) -> dict[str, torch.Tensor]:
@@ -432,8 +432,8 @@ class KronPosterior(_Structure):
     def _decompose(self):
         out = {}
         for layer, a, g in zip(self.layers, self.A.values(), self.G.values()):
-            la, qa = torch.linalg.eigh(a)
-            lg, qg = torch.linalg.eigh(g)
+            la, qa = psd_eigh(a)
+            lg, qg = psd_eigh(g)
             out[layer] = (lg, qg, la, qa)
         return out
 
@@ -503,6 +503,30 @@ class KronPosterior(_Structure):
                 var = var + ((db @ qg).square() / (lg + delta_of(delta, b))).sum(-1)
             total = var if total is None else total + var
         return total
+
+
+def psd_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigendecomposition ``(λ, Q)`` of a symmetric positive semi-definite matrix, in float64, eigenvalues ≥ 0.
+
+    The curvatures here (H of ``"full"``, the Kronecker factors A and G) are sums of outer products, so every
+    eigenvalue is ≥ 0; ``torch.linalg.eigh`` returns those of a (near) null space as ±ε·λ_max, in float32 down
+    to about −1e-7 · λ_max. At a small prior precision δ that breaks the posterior twice: a negative λ makes
+    λ + δ ≤ 0, hence negative posterior and functional variances (NaN from the probit link's square root and
+    from the draws' rsqrt: last-layer Kron at δ = 1e-4 on a ReLU network, whose dead units leave A singular),
+    and a positive rounding error of 1e-7 · λ_max in place of 0 changes 1/(λ + δ) by orders of magnitude for
+    δ ≲ 1e-5 · λ_max. So the decomposition is computed in float64 (rounding ~1e-16 · λ_max) and the eigenvalues
+    are clamped at 0, as laplace-torch's ``symeig`` clamps them; both are returned in ``matrix``'s dtype (the
+    eigenvectors' float32 rounding mixes a null direction into the others by ~1e-7, whose square is
+    negligible against 1/δ).
+
+    Args:
+        matrix: (P, P), symmetric positive semi-definite up to rounding.
+
+    Returns:
+        ``(λ (P,) ≥ 0, Q (P, P))`` in ``matrix``'s dtype, ascending as ``torch.linalg.eigh``.
+    """
+    lam, vecs = torch.linalg.eigh(matrix.double())
+    return lam.clamp_min(0).to(matrix.dtype), vecs.to(matrix.dtype)
 
 
 def delta_of(delta: Delta, name: str) -> float:
