@@ -26,8 +26,8 @@ def test_fast_mode_writes_table_json_and_figure(fast_run):
     assert (fast_run / "posterior_quality.png").stat().st_size > 10_000
     data = json.loads((fast_run / "posterior_quality.json").read_text())
     table = data["datasets"]["digits"]["table"]
-    rows = {"map", "vi", "ivon", "mc_dropout", "sgld", "laplace (val)", "laplace (marglik)", "swag", "ensemble",
-            "multiswag"}
+    rows = {"map", "vi", "ivon", "mc_dropout", "sgld", "laplace (val)", "laplace (marglik)", "laplace_ll_kfac",
+            "swag", "ensemble", "multiswag"}
     assert set(table) == rows | {f"{m}+ts" for m in rows}  # every row and its temperature-scaled twin
     assert table["map"]["cost"][0] == pytest.approx(1.0)
     assert table["ensemble"]["cost"][0] > 1.0  # five networks, trained at once
@@ -51,7 +51,7 @@ def test_fast_mode_writes_table_json_and_figure(fast_run):
         "map": ["prior_std"], "vi": ["prior_std", "kl_weight"], "ivon": ["prior_std", "kl_weight"],
         "mc_dropout": ["prior_std", "p_drop"], "sgld": ["prior_std", "noise_scale"],
         "laplace (val)": ["prior_std", "prior_precision"], "laplace (marglik)": ["prior_std", "prior_precision"],
-        "swag": ["prior_std"],
+        "laplace_ll_kfac": ["prior_std"], "swag": ["prior_std"],
         "ensemble": ["prior_std"], "multiswag": ["prior_std"]}
     # Laplace's two operating points share the trained network and differ in the prior precision
     assert tuned["laplace (marglik)"][0]["prior_std"] == tuned["laplace (val)"][0]["prior_std"]

@@ -111,3 +111,20 @@ def test_ood_report_pools_scores_like_sklearn(data):
     assert rep["confidence"]["auroc"] == pytest.approx(conf, rel=1e-12)
     with pytest.raises(ValueError, match="K = 4 and 3"):
         protocol.ood_report(sp, sp_out[..., :3] / sp_out[..., :3].sum(-1, keepdim=True))
+
+
+def test_ood_report_scores_the_temperature_scaled_entropy_like_sklearn(data):
+    sp, _, _, _ = data
+    sp_out = _normalise(sp[:, :120] + 0.3)
+    labels = np.r_[np.zeros(300), np.ones(120)]
+    for T in (0.4, 1.0, 3.0):
+        rep = protocol.ood_report(sp, sp_out, temperature=T)
+        scores = []
+        for p in (sp, sp_out):  # softmax(log p̄ / T) written out, one example at a time
+            q = np.exp(np.log(p.mean(0).numpy()) / T)
+            q /= q.sum(1, keepdims=True)
+            scores.append(-(q * np.log(q)).sum(1))
+        assert rep["entropy_Topt"]["auroc"] == pytest.approx(roc_auc_score(labels, np.r_[scores[0], scores[1]]),
+                                                             rel=1e-12)
+    assert rep["entropy_Topt"]["auroc"] != rep["entropy"]["auroc"]  # a temperature can re-rank the inputs
+    assert "entropy_Topt" not in protocol.ood_report(sp, sp_out)

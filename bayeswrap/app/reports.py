@@ -84,7 +84,8 @@ def final_reports(bnn, splits, ood_test, cfg: RunConfig, num_samples: int, devic
         ood = predict(ood_test, 1, samples=True)
         report["ood"] = {"classes": list(cfg.held_out_classes(splits.name)),
                          **protocol.ood_report(test[1], ood[1], probs_in=None if averaged else test[0],
-                                               probs_out=None if averaged else ood[0])}
+                                               probs_out=None if averaged else ood[0],
+                                               temperature=report.get("temperature"))}
     arrays = {"test": (test[0], test[2]), "val": None if val is None else (val[0], val[2])}
     return report, arrays
 

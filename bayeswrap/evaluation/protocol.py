@@ -286,7 +286,8 @@ def corruption_report(predict_corrupted: Callable[[str, int], tuple[torch.Tensor
 
 
 def ood_report(sample_probs_in: torch.Tensor | None, sample_probs_out: torch.Tensor | None, *,
-               probs_in: torch.Tensor | None = None, probs_out: torch.Tensor | None = None) -> dict[str, Any]:
+               probs_in: torch.Tensor | None = None, probs_out: torch.Tensor | None = None,
+               temperature: float | None = None) -> dict[str, Any]:
     """Out-of-distribution detection from the predictive's uncertainty.
 
     Args:
@@ -295,9 +296,12 @@ def ood_report(sample_probs_in: torch.Tensor | None, sample_probs_out: torch.Ten
         probs_in, probs_out: optional predictives (N_in, K) and (N_out, K) when they are not the means of the
             samples over S (Laplace's probit link): the entropy and confidence scores are of them. Give both or
             neither.
+        temperature: optional T > 0 fitted on in-distribution validation: adds ``"entropy_Topt"``, the entropy
+            of the temperature-scaled predictive softmax(log p̄ / T) (Guo et al. 2017, eq. 9), which can rank
+            inputs differently from the entropy at T = 1.
 
     Returns:
-        ``{"n_in", "n_out", "entropy", "mutual_information", "confidence"}``: each
+        ``{"n_in", "n_out", "entropy", "mutual_information", "confidence"}`` (and ``"entropy_Topt"``): each
         score's :func:`bayeswrap.evaluation.ood.ood_metrics` (AUROC, AUPR-in,
         AUPR-out, FPR95; OOD is the positive class), pooled over both sets.
         ``confidence`` scores by 1 − max probability (Hendrycks & Gimpel 2017);
@@ -325,6 +329,10 @@ def ood_report(sample_probs_in: torch.Tensor | None, sample_probs_out: torch.Ten
         "mutual_information": None,
         "confidence": ood_metrics(1 - p_in.max(1).values, 1 - p_out.max(1).values),
     }
+    if temperature is not None:
+        scaled = [calibration.apply_temperature(p.double().clamp_min(1e-300).log(), temperature)[None]
+                  for p in (p_in, p_out)]
+        out["entropy_Topt"] = ood_metrics(predictive_entropy(scaled[0]), predictive_entropy(scaled[1]))
     if sample_probs_in is None or sample_probs_out is None:
         return out
     if min(len(distinct_samples(sample_probs_in)), len(distinct_samples(sample_probs_out))) >= 2:
