@@ -61,13 +61,20 @@ defaults (``--lr_init 0.01``, ``--swa_lr 0.02``), and reaches it by the script's
 first ``swa_start`` steps instead. A number ``swa_lr`` is the collection lr of
 every group. The paper's CIFAR commands (the same repository's
 ``experiments/train/README.md``) decay a large lr instead (lr_init 0.05–0.1 to
-swa_lr 0.01–0.05 over 300 epochs); for the short runs at a constant moderate lr
+swa_lr 0.01–0.05 over 300 epochs). For the short runs at a constant moderate lr
 that bayeswrap's comparison uses, collecting above the training lr widens the
-collected trajectory, which measured better under shift and out of distribution
-(issue 32: mnist5k and digits). ``swa_lr=None`` leaves the optimizer's learning
-rate (and any schedule the caller runs) alone: SWAG then collects at whatever
-step the optimizer takes, the constant step size of the paper's analysis (§3,
-SGD as approximate posterior sampling) if no schedule is run. A command-line run
+collected trajectory: on mnist5k (15 epochs, SGD lr 0.05 with momentum 0.9, prior
+std 0.3, seeds 0–2; issue 32) these defaults moved SWAG's rotation NLL from 3.34
+to 3.02, its noise NLL from 0.82 to 0.63 and its OOD AUROC from 0.868 to 0.882 at
+the same error and NLL (ECE rose from 0.034 to 0.045); four collections per epoch
+at the training lr alone (seed 0) left rotation NLL at 3.32. On digits (30 epochs)
+the test NLL fell from 0.063 to 0.053 with shift and OOD unchanged within a seed's
+spread. The linear and cosine schedules agreed within that spread on both.
+
+``swa_lr=None`` leaves the optimizer's learning rate (and any schedule the caller
+runs) alone: SWAG then collects at whatever step the optimizer takes, the
+constant step size of the paper's analysis (§3, SGD as approximate posterior
+sampling) if no schedule is run. A command-line run
 with a learning-rate ``scheduler`` or warm-up keeps that schedule (it implies
 ``swa_lr=None``, :meth:`SWAG.run_options`).
 """
