@@ -215,9 +215,47 @@ def test_sample_gradients_and_initialisation():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     for p in list(mf.r_flow.parameters()) + [mf.c, mf.b1, mf.b2]:
         assert p.grad is None
-    # near-identity start: z_K ≈ sigmoid(2)^K · mu0
-    torch.testing.assert_close(z.detach(), torch.full((5,), torch.sigmoid(torch.tensor(2.0)).item() ** 2),
-                               atol=0.05, rtol=0)
+    # start at the base mean (issue 32): q's shift bias is init_mean, so z_K ≈ mu0 = 1, not sigmoid(2)^K ≈ 0.78
+    torch.testing.assert_close(z.detach(), torch.ones(5), atol=0.05, rtol=0)  # z_0 has std e^(−4.5) ≈ 0.011
+
+
+@pytest.mark.parametrize("shift_init", [1.0, -0.75, 0.0])  # exact in float32 (the flow is built in it)
+def test_iaf_with_zero_output_weights_maps_the_constant_shift_init_to_itself(shift_init):
+    """z' = g z + (1 − g) shift with shift ≡ shift_init: the constant vector shift_init is a fixed point of
+    every step for any gate, so the whole IAF (reversals included) maps it to itself to float tolerance.
+    """
+    torch.manual_seed(0)
+    flow = IAF(6, 3, HIDDEN, seed=2, shift_init=shift_init).double()
+    with torch.no_grad():
+        for step in flow.steps:
+            step.made.layers[-1].weight[:6].zero_()  # the shift outputs' weights; the gates keep theirs
+    z = torch.full((6,), shift_init, dtype=torch.float64)
+    z_k, log_det = flow(z)
+    torch.testing.assert_close(z_k, z, atol=1e-15, rtol=0)
+    assert log_det < 0  # the gates (≈ sigmoid(2)) still contract deviations from it
+    torch.testing.assert_close(flow.steps[0].made.layers[-1].bias[:6], z)
+
+
+def test_multiplicative_flow_starts_at_its_base_mean():
+    """q_flow(mu0) ≈ mu0 at the start (the small N(0, 0.01²) output weights move it by < 0.01); r's IAF keeps
+    a zero shift bias.
+    """
+    torch.manual_seed(0)
+    for init_mean in (1.0, 0.5):
+        mf = MultiplicativeFlow(600, 2, (250, 250), init_mean=init_mean)
+        z_bar = mf.q_flow(mf.mu0)[0].detach()
+        assert (z_bar - init_mean).abs().max() < 0.01 and abs(z_bar.mean() - init_mean) < 1e-3
+        for step in mf.q_flow.steps:
+            assert torch.all(step.made.layers[-1].bias[:600] == init_mean)
+        for step in mf.r_flow.steps:
+            assert torch.all(step.made.layers[-1].bias[:600] == 0.0)
+
+
+def test_iaf_bad_shift_init():
+    with pytest.raises(ValueError, match="shift_init=nan"):
+        IAFStep(3, HIDDEN, shift_init=float("nan"))
+    with pytest.raises(ValueError, match="shift_init='1'"):
+        IAF(3, 2, HIDDEN, shift_init="1")
 
 
 def test_sample_uses_global_rng():

@@ -230,7 +230,8 @@ def write_outputs(data: dict, cfg: dict, out: Path, *, fast: bool, runtime: floa
         f"code; N(0, 1) prior (slab for the LBBNNs); LBBNN with the library's defaults: α_p = {lo['prior_inclusion']:g}, "
         f"λ ~ U({lo['init_inclusion_logit'][0]:g}, {lo['init_inclusion_logit'][1]:g}), ρ = {lo['init_rho']:g} "
         f"(σ̃ ≈ {math.log1p(math.exp(lo['init_rho'])):.2g}), relaxed-Bernoulli temperature {lo['temperature']:g} "
-        f"(LBBNN), 2 IAF steps with MADE widths {'-'.join(map(str, lo['flow_hidden']))} (FLOW); the paper: α_p = 0.10, "
+        f"(LBBNN), 2 IAF steps with MADE widths {'-'.join(map(str, lo['flow_hidden']))}, the flows' own Adam lr "
+        f"{lo['flow_lr']:g} (`bnn.param_groups()`) and q(z) starting at z = 1 (FLOW); the paper: α_p = 0.10, "
         "λ ~ U(−15, 10) (its MLP scripts), ρ = −9. BNN = mean-field VI (`bw.wrap(model, \"vi\")`, init std 1e-3, "
         f"the library's defaults) with its Adam lr and local reparameterisation chosen on validation (below): lr "
         f"{data['vi']['lr']:g}, local reparameterisation {'on' if data['vi']['local_reparam'] else 'off'}.",

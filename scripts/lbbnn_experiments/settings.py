@@ -21,7 +21,7 @@ TABLE_METHODS: "OrderedDict[str, tuple[str, dict]]" = OrderedDict([
 #: the LBBNN options of Table 1 and part 3: the library's defaults (read from the signature, so the report always
 #: describes what ``bw.wrap(model, "lbbnn")`` does)
 LBBNN_COMMON = {k: v.default for k, v in inspect.signature(LBBNN.__init__).parameters.items()
-                if k in ("prior_inclusion", "init_inclusion_logit", "init_rho", "temperature", "flow_hidden")}
+                if k in ("prior_inclusion", "init_inclusion_logit", "init_rho", "temperature", "flow_hidden", "flow_lr")}
 #: the variable-selection models: name -> flow length
 VARSEL_METHODS = OrderedDict([("LBBNN-LRT", 0), ("LBBNN-FLOW", 2)])
 CLUSTER_METHODS = ("LBBNN-LRT", "MC-dropout", "MAP")

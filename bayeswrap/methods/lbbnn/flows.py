@@ -36,11 +36,16 @@ Both Gaussian log densities include the constant −½ log(2π).
 Initialisation (chosen so that the flows start close to the identity):
 
 * MADE hidden layers: PyTorch's default ``nn.Linear`` initialisation.
-* IAF output layer: weights ~ N(0, ``OUTPUT_WEIGHT_STD``² = 0.01²), shift bias 0,
-  gate bias ``GATE_BIAS_INIT`` = 2, so that at the start every gate is
-  sigmoid(2) ≈ 0.88 and ``z' ≈ 0.88 z`` (log|det| ≈ −0.127 per dimension and
+* IAF output layer: weights ~ N(0, ``OUTPUT_WEIGHT_STD``² = 0.01²), shift bias
+  ``shift_init`` (0 for r(z | W); ``init_mean`` for q(z)), gate bias
+  ``GATE_BIAS_INIT`` = 2, so that at the start every gate is sigmoid(2) ≈ 0.88
+  and ``z' ≈ 0.88 z + 0.12 shift_init`` (log|det| ≈ −0.127 per dimension and
   step). A gate of exactly 1 (the exact identity) would give zero gradient to
-  the shift; 0.88 keeps the flow trainable from the first step.
+  the shift; 0.88 keeps the flow trainable from the first step. q's shift bias
+  ``init_mean`` makes ``q_flow(mu0) ≈ mu0`` (each step maps the constant vector
+  ``init_mean`` to itself up to the small output weights, issue 32): the
+  multiplicative z starts at 1, as without flows, instead of 0.88² ≈ 0.78 after
+  two steps with a zero shift bias.
 * ``mu0`` = ``init_mean`` exactly (default 1: ``z`` starts as a multiplicative
   factor ≈ 1, as in MNF); the weight means of the layer and the MADE weights
   already break the symmetry between units. ``log_var0`` = ``init_log_var``
@@ -171,26 +176,29 @@ class IAFStep(nn.Module):
     ``gate``, so ``log|det ∂z'/∂z| = Σ_i log sigmoid(s_i)`` (computed with
     ``logsigmoid`` for stability).
 
-    Initialisation: output-layer weights ~ N(0, 0.01²), shift bias 0, gate bias
-    ``GATE_BIAS_INIT`` = 2 (gate ≈ 0.88, a near-identity start).
+    Initialisation: output-layer weights ~ N(0, 0.01²), shift bias ``shift_init``,
+    gate bias ``GATE_BIAS_INIT`` = 2 (gate ≈ 0.88, a near-identity start; with zero
+    output weights the step maps the constant vector ``shift_init`` to itself exactly).
 
     Args:
         dim: D.
         hidden_sizes: MADE hidden widths.
         seed: MADE mask seed.
+        shift_init: initial bias of the shift outputs (a finite number; default 0).
 
     Shapes:
         ``forward``: ``z`` (..., D) → ``z'`` (..., D), ``log_det`` (...).
     """
 
-    def __init__(self, dim: int, hidden_sizes: Sequence[int] = (250, 250), seed: int = 0):
+    def __init__(self, dim: int, hidden_sizes: Sequence[int] = (250, 250), seed: int = 0, shift_init: float = 0.0):
         super().__init__()
+        shift_init = check_float("shift_init", shift_init)
         self.made = MADE(dim, hidden_sizes, out_multiplier=2, seed=seed)
         self.dim = self.made.dim
         out = self.made.layers[-1]
         with torch.no_grad():
             nn.init.normal_(out.weight, mean=0.0, std=OUTPUT_WEIGHT_STD)
-            out.bias.zero_()
+            out.bias[:self.dim] = shift_init
             out.bias[self.dim:] = GATE_BIAS_INIT
 
     def forward(self, z: Tensor) -> tuple[Tensor, Tensor]:
@@ -224,6 +232,7 @@ class IAF(nn.Module):
         flow_length: K ≥ 0; K = 0 is the identity with log_det 0.
         hidden_sizes: MADE hidden widths.
         seed: base MADE mask seed.
+        shift_init: every step's initial shift bias (:class:`IAFStep`).
 
     Raises:
         ValueError: if ``flow_length`` is negative or not an integer (naming the value).
@@ -232,13 +241,15 @@ class IAF(nn.Module):
         ``forward``: ``z`` (..., D) → ``z_K`` (..., D), ``log_det`` (...).
     """
 
-    def __init__(self, dim: int, flow_length: int, hidden_sizes: Sequence[int] = (250, 250), seed: int = 0):
+    def __init__(self, dim: int, flow_length: int, hidden_sizes: Sequence[int] = (250, 250), seed: int = 0,
+                 shift_init: float = 0.0):
         super().__init__()
         self.dim = check_int("dim", dim, minimum=1)
         self.flow_length = check_int("flow_length", flow_length, minimum=0)
         seed = check_int("seed", seed, minimum=0, maximum=_MAX_SEED)
         self.steps = nn.ModuleList(
-            IAFStep(self.dim, hidden_sizes, seed=(seed + k) % (_MAX_SEED + 1)) for k in range(self.flow_length))
+            IAFStep(self.dim, hidden_sizes, seed=(seed + k) % (_MAX_SEED + 1), shift_init=shift_init)
+            for k in range(self.flow_length))
 
     def forward(self, z: Tensor) -> tuple[Tensor, Tensor]:
         """Applies the K steps.
@@ -268,7 +279,8 @@ class MultiplicativeFlow(nn.Module):
     al. 2023). The layer's KL gains ``log_q − log_r`` (MNF eq. 8).
 
     Parameters: ``mu0`` (D,) initialised to ``init_mean`` exactly; ``log_var0``
-    (D,) to ``init_log_var``; ``q_flow`` (:class:`IAF`, mask seed ``seed``);
+    (D,) to ``init_log_var``; ``q_flow`` (:class:`IAF`, mask seed ``seed``, shift bias ``init_mean``, so that
+    ``q_flow(mu0) ≈ mu0`` at the start);
     ``c``, ``b1``, ``b2`` (D,) ~ N(0, 1) as in MNF; ``r_flow`` (:class:`IAF` of the
     same length, mask seed ``seed + flow_length``, so its masks differ from
     ``q_flow``'s).
@@ -293,7 +305,7 @@ class MultiplicativeFlow(nn.Module):
         D = self.dim
         self.mu0 = nn.Parameter(torch.full((D,), init_mean))
         self.log_var0 = nn.Parameter(torch.full((D,), init_log_var))
-        self.q_flow = IAF(D, self.flow_length, hidden_sizes, seed=seed)
+        self.q_flow = IAF(D, self.flow_length, hidden_sizes, seed=seed, shift_init=init_mean)
         self.c = nn.Parameter(torch.randn(D))
         self.b1 = nn.Parameter(torch.randn(D))
         self.b2 = nn.Parameter(torch.randn(D))
