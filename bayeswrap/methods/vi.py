@@ -40,8 +40,14 @@ means, under SGD (with momentum) and Adam/AdamW alike, from any start:
   regression every s reaches s* within 10% from s₀ = 1e-6 in ~1,100–2,000 such
   steps (``tests/test_vi_convergence.py``). The price is a larger curvature c (1 +
   (D*/b)²) at optima D* far below σ (c · 5 at D* = 4), i.e. a noisier s at a
-  constant learning rate; the slope's cap M bounds the step far below. Adam moves
-  ρ by about lr per step, so log s by κ cosh(κρ/b) · lr.
+  constant learning rate; the slope's cap M bounds the step far below. At a large
+  κ (small kl_weight) and step the faster climb also destabilises: the digits MLP
+  (N = 504) at kl_weight 1e-3 (κ ≈ 160), prior_std 1.05, SGD lr 0.05 with momentum
+  0.9 ends at chance (validation NLL 2.08) where the linear map ends at 0.49 (itself
+  unstable: 1.24 after 90 epochs); caps M = 2 or 3, or a linear map down to 3 nats
+  below σ, did not prevent it. ``bayeswrap compare``'s tuning scores such a
+  candidate as it trains and picks another kl_weight. Adam moves ρ by about lr per
+  step, so log s by κ cosh(κρ/b) · lr.
 * Fixed points are unchanged (a reparameterisation only, du/dρ > 0), and the KL
   term is Σ(log σ − u(ρ) + …) with no log of a vanishing softplus.
 * After every optimizer step s is projected onto s ≤ σ (ρ ≤ 0) for parameters with
