@@ -1,5 +1,7 @@
 """The fused hot path gives the same loss and gradients as the plain autograd reference."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -180,6 +182,12 @@ def test_sample_from_parallel_streams_has_the_posterior_moments(monkeypatch):
         assert (z.mean(0).abs() < 5 / 2000**0.5).all()
 
 
+def _vi_std(bnn, name):
+    """VI's s = exp(log σ + b sinh(κρ/b)), written out."""
+    b, kappa = bnn.log_std_knee, bnn.log_std_scale
+    return torch.exp(math.log(bnn.prior_std) + b * torch.sinh(kappa * bnn.rho[name] / b))
+
+
 def test_vi_posterior_std_cache_follows_rho():
     torch.manual_seed(0)
     bnn = bw.wrap(nn.Sequential(nn.Linear(4, 3)), "vi", num_data=10, init_std=0.1).eval()
@@ -189,9 +197,28 @@ def test_vi_posterior_std_cache_follows_rho():
         bnn.rho["0.weight"].add_(0.5)  # an in-place update (as an optimizer step) invalidates it
         second = bnn.posterior_std()
         assert second is not first
-        torch.testing.assert_close(second["0.weight"], torch.exp(bnn.log_std_scale * bnn.rho["0.weight"]))
+        torch.testing.assert_close(second["0.weight"], _vi_std(bnn, "0.weight"))
         bnn.load_state_dict({k: v + 0.1 if "rho" in k else v for k, v in bnn.state_dict().items()})
-        torch.testing.assert_close(bnn.posterior_std()["0.bias"], torch.exp(bnn.log_std_scale * bnn.rho["0.bias"]))
+        torch.testing.assert_close(bnn.posterior_std()["0.bias"], _vi_std(bnn, "0.bias"))
     assert bnn.posterior_std()["0.weight"].requires_grad  # with autograd: never cached
     bnn.train()
     assert "_std_cache" not in bnn.__dict__
+
+
+def test_log_std_map_its_slope_and_inverse():
+    """VI's log s = ref + b sinh(κρ/b), linear beyond slope κM: autograd's slope, the closed form, the inverse."""
+    from bayeswrap.core import fused
+
+    kappa, ref, knee, cap = 7.0, -1.0, 2.0, fused.LOG_STD_MAX_SLOPE
+    rho = torch.linspace(-3, 3, 2001, dtype=torch.float64, requires_grad=True)
+    u = fused.log_std(rho, kappa, ref, knee)
+    u.sum().backward()
+    torch.testing.assert_close(rho.grad, fused.log_std_slope(rho.detach(), kappa, knee))
+    x = kappa * rho.detach() / knee
+    inner = x.abs() <= math.acosh(cap)
+    torch.testing.assert_close(u.detach()[inner], ref + knee * torch.sinh(x[inner]))
+    assert torch.allclose(rho.grad[~inner], torch.tensor(kappa * cap, dtype=torch.float64))
+    assert rho.grad.min() == pytest.approx(kappa, rel=1e-5) and rho.grad.max() == pytest.approx(kappa * cap)
+    torch.testing.assert_close(fused.log_std_inverse(u.detach(), kappa, ref, knee), rho.detach())
+    assert fused.log_std_inverse(float(u[7]), kappa, ref, knee) == pytest.approx(float(rho[7]), abs=1e-12)
+    assert fused.log_std(torch.tensor([-1.0e4]), 50.0, 0.0, knee).exp().item() == 0.0  # a pruned std

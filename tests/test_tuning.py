@@ -181,3 +181,70 @@ def test_every_compared_method_has_one_knob_with_bounds_around_its_grid():
             assert len(grid) <= 5, method
     assert tuning_bounds("mc_dropout", "p_drop") == (0.01, 0.5) and tuning_bounds("sgld", "noise_scale")[1] == 1.0
     assert tuning_bounds("map", "not_an_option") == (0.0, math.inf)
+
+
+def test_a_knob_that_tempers_the_posterior_is_trained_at_prior_std_sigma_sqrt_knob():
+    """``tempered``: the search is over (σ, w), every candidate is trained at (σ √w, w), and the record's options
+    are the trained values (so a final run at them reproduces the winner)."""
+    calls = []
+
+    def score(options):  # optimum at σ = 0.1 (the reference scale σ = prior_std / √w), w = 1e-2
+        calls.append(dict(options))
+        return parabola(0.1)(options["prior_std"] / math.sqrt(options["kl_weight"])) + \
+            parabola(1e-2)(options["kl_weight"])
+
+    record = tune_with_prior(score, knob="kl_weight", grid=[1e-3, 1e-2, 1e-1], bounds=(1e-5, 10.0),
+                             prior_std=0.3, prior_bounds=(1e-3, 1e3), tempered=True)
+    root = [math.sqrt(w) for w in (1e-3, 1e-2, 1e-1)]
+    assert calls[:3] == [{"prior_std": pytest.approx(0.3 * r, rel=1e-11), "kl_weight": w}
+                         for r, w in zip(root, (1e-3, 1e-2, 1e-1))]
+    # stage 2 at w = 1e-2: σ = 0.1 and 0.9 trained at 0.1 σ; σ = 0.3 reused; 0.1 wins at the edge, 1/30 is tried
+    assert calls[3:] == [{"kl_weight": 1e-2, "prior_std": pytest.approx(v / 10, rel=1e-11)}
+                         for v in (0.1, 0.9, 1 / 30)]
+    assert record["options"] == {"prior_std": pytest.approx(0.01, rel=1e-11), "kl_weight": 0.01}
+    assert list(record["options"]) == ["prior_std", "kl_weight"]
+    assert record["reference_prior_std"] == 0.1 and record["choice"] == "joint"
+    knob, prior = record["stages"]
+    assert knob["fixed"] == {"prior_std": 0.3} and knob["chosen"] == 0.01
+    assert knob["trained"] == [{"prior_std": pytest.approx(0.3 * r, rel=1e-11), "kl_weight": w}
+                               for r, w in zip(root, knob["grid"])]
+    assert prior["grid"] == pytest.approx([1 / 30, 0.1, 0.3, 0.9])
+    assert [t["prior_std"] for t in prior["trained"]] == pytest.approx([v / 10 for v in prior["grid"]], rel=1e-11)
+    # w / prior_std² of every candidate is 1/σ²: the pull on the means is the reference prior's
+    for options in calls:
+        sigma = options["prior_std"] / math.sqrt(options["kl_weight"])
+        assert options["kl_weight"] / options["prior_std"] ** 2 == pytest.approx(1 / sigma**2, rel=1e-10)
+    # untempered: the knob is scored at the prior std as it is (the first call)
+    plain = []
+    tune_with_prior(lambda o: plain.append(dict(o)) or 0.0, knob="kl_weight", grid=[1e-3, 1e-2], prior_std=0.3)
+    assert plain[0] == {"prior_std": 0.3, "kl_weight": 1e-3}
+    for knob_, prior_std in (("prior_std", 0.3), (None, 0.3), ("kl_weight", None)):
+        with pytest.raises(ValueError, match="tempered=True couples"):
+            tune_with_prior(score, knob=knob_, grid=[0.1, 1.0], prior_std=prior_std, tempered=True)
+
+
+def test_compare_tunes_vi_and_ivon_with_a_tempered_knob(monkeypatch):
+    """``compare`` reads ``knob_tempers_posterior`` from the class (no method names in the app): VI and IVON train
+    each kl_weight candidate at σ √kl_weight, other methods their knob at σ."""
+    from bayeswrap.app import compare
+    from bayeswrap.app.config import resolve
+
+    assert METHODS["vi"].knob_tempers_posterior and METHODS["ivon"].knob_tempers_posterior
+    assert not any(METHODS[m].knob_tempers_posterior for m in ("map", "mc_dropout", "sgld", "laplace", "swag"))
+    for method in ("vi", "ivon", "mc_dropout"):
+        seen = []
+        monkeypatch.setattr(compare, "tuning_score", lambda cfg, s: seen.append(cfg) or 1.0)
+        cfg = resolve("configs/digits.yaml", {"method": method, "epochs": 1})
+        record = compare._tune_one(cfg, method, compare.knob_of(method), 2, 0.5)
+        knob = compare.knob_of(method)
+        first = seen[0]
+        grid0 = TUNING[method][1][0]
+        if method == "mc_dropout":
+            assert first.prior_std == 0.5 and "reference_prior_std" not in record
+        else:
+            assert first.prior_std == pytest.approx(0.5 * math.sqrt(grid0), rel=1e-11)
+            chosen, reference = record["options"][knob], record["reference_prior_std"]
+            assert record["options"] == {"prior_std": pytest.approx(reference * math.sqrt(chosen), rel=1e-11),
+                                         knob: chosen}
+            assert reference in record["stages"][1]["grid"]
+        assert (first.kl_weight if knob == "kl_weight" else first.option(knob)) == grid0

@@ -219,7 +219,10 @@ def _compare_one(base: Path, method: str, cfg: RunConfig, sample_counts, tune_op
     ``{"options": {option: value}, "val_nll", "choice", "prior_std_from": PRIOR_SOURCE |
     "config", "stages": [{"stage", "option", "fixed", "grid", "val_nll",
     "chosen", "chosen_index", "extensions", "reused", "bound_hit", "bounds"}]}``;
-    the post hoc knob of the final run is its last stage (``"post_hoc"``).
+    the post hoc knob of the final run is its last stage (``"post_hoc"``). ``options`` are the values the final
+    run is trained with; for a knob that tempers the whole posterior (the class's ``knob_tempers_posterior``) the
+    stages search (σ, knob), each stage lists what each point was ``"trained"`` with (prior_std σ·sqrt(knob)),
+    and ``"reference_prior_std"`` is the chosen σ.
     """
     run_dir = base / method
     run_cfg = replace(cfg, out_dir=str(base), run_name=method, overwrite=False)
@@ -255,18 +258,21 @@ def _tune_one(run_cfg: RunConfig, method: str, knob: str, num_samples: int, prio
     start = run_cfg.prior_std if source == "config" else prior_std
     scored_knob = None if knob == POST_HOC else knob  # a post hoc knob is tuned inside each candidate's score
     grid = tuning_option(method)[1] if scored_knob else ()
+    tempered = bool(scored_knob not in (None, "prior_std") and start is not None
+                    and METHODS[method].knob_tempers_posterior)  # candidates at prior_std = σ·sqrt(knob)
     if knob == "prior_std":
         log.warning("compare: tuning %s by validation NLL: prior_std over %s", method, list(grid))
     else:
-        log.warning("compare: tuning %s by validation NLL: %s over %s, then prior_std around %s's %g", method,
-                    scored_knob or "(post hoc knob only)", list(grid), source, start)
+        log.warning("compare: tuning %s by validation NLL: %s over %s, then prior_std around %s's %g%s", method,
+                    scored_knob or "(post hoc knob only)", list(grid), source, start,
+                    f" (each candidate at prior_std = σ·sqrt({scored_knob}))" if tempered else "")
 
     def score(options: dict) -> float:
         return tuning_score(run_cfg.with_options(**options).validate(), num_samples)
 
     record = tune_with_prior(score, knob=scored_knob, grid=grid,
                              bounds=tuning_bounds(method, scored_knob) if scored_knob else (0.0, math.inf),
-                             prior_std=start, prior_bounds=tuning_bounds(method, "prior_std"))
+                             prior_std=start, prior_bounds=tuning_bounds(method, "prior_std"), tempered=tempered)
     for stage in record["stages"]:
         if stage["bound_hit"] is not None:
             log.warning("compare: %s's %s not bracketed: %s", method, stage["option"], stage["bound_hit"])

@@ -180,14 +180,71 @@ def _sum_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(tensors)).pow(2).sum()
 
 
+#: the largest factor by which :func:`log_std`'s slope exceeds κ: beyond |κρ/b| = acosh(LOG_STD_MAX_SLOPE) the map
+#: continues linearly, so that a step far below (or above) the reference moves log s by a bounded amount
+LOG_STD_MAX_SLOPE = 5.0
+
+
+def log_std(rho: torch.Tensor, scale: float, ref: float = 0.0, knee: float | None = None) -> torch.Tensor:
+    """U = log s of the std parameterisation of :class:`bayeswrap.VI`, elementwise.
+
+    u = ref + κ ρ without a knee. With a knee b > 0 and x = κ ρ / b,
+    u = ref + b [sinh(x̂) + M (x − x̂)] with x̂ = clamp(x, −X, X), X = acosh(M) and
+    M = :data:`LOG_STD_MAX_SLOPE`: the slope du/dρ = κ cosh(x̂) is κ at the reference,
+    grows with the distance from it, and is κ M beyond b sinh(X) nats (see the
+    :mod:`bayeswrap.methods.vi` docstring).
+
+    Args:
+        rho: ρ, any shape.
+        scale: κ > 0.
+        ref: the reference log-std (nats), where ρ = 0.
+        knee: b > 0 in nats, or None for the linear map.
+
+    Returns:
+        u, the shape of ``rho``.
+    """
+    if knee is None:
+        return rho * scale + ref if ref else rho * scale
+    edge = math.acosh(LOG_STD_MAX_SLOPE)
+    x = rho * (scale / knee)
+    inner = x.clamp(-edge, edge)
+    return (torch.sinh(inner) + (x - inner) * LOG_STD_MAX_SLOPE) * knee + ref
+
+
+def log_std_slope(rho: torch.Tensor, scale: float, knee: float | None = None) -> torch.Tensor:
+    """du/dρ of :func:`log_std`: κ, or κ cosh(clamp(κ ρ / b, −X, X)), the shape of ``rho``."""
+    if knee is None:
+        return torch.full_like(rho, scale)
+    edge = math.acosh(LOG_STD_MAX_SLOPE)
+    return torch.cosh((rho * (scale / knee)).clamp(-edge, edge)) * scale
+
+
+def log_std_inverse(u, scale: float, ref: float = 0.0, knee: float | None = None):
+    """ρ with :func:`log_std` (ρ) = u, for a Python float or elementwise for a tensor (same type back)."""
+    if knee is None:
+        return (u - ref) / scale
+    edge = math.acosh(LOG_STD_MAX_SLOPE)
+    y = (u - ref) / knee
+    if torch.is_tensor(y):
+        side = torch.sign(y)
+        outer = side * edge + (y - side * math.sinh(edge)) / LOG_STD_MAX_SLOPE
+        return torch.where(y.abs() <= math.sinh(edge), torch.asinh(y), outer) * (knee / scale)
+    if abs(y) <= math.sinh(edge):
+        return knee * math.asinh(y) / scale
+    side = math.copysign(1.0, y)
+    return knee * (side * edge + (y - side * math.sinh(edge)) / LOG_STD_MAX_SLOPE) / scale
+
+
 class _MeanFieldBucket(torch.autograd.Function):
-    """θ = m + exp(κρ) ⊙ ε and the bucket's KL(N(m, s²) || N(θ̄, σ²)) terms, gradients in closed form.
+    """θ = m + exp(u(ρ)) ⊙ ε and the bucket's KL(N(m, s²) || N(θ̄, σ²)) terms, gradients in closed form.
+
+    u(ρ) is :func:`log_std` (κρ, or the reference plus b sinh(κρ/b) with a knee b).
 
     Inputs: ``(info, eps, *m, *rho)`` for one bucket (``eps``: the bucket's flat N(0, 1)
     draws from :func:`random_buckets`); outputs ``(*theta, kl)``.
     Saved for backward: m and ρ (the parameters themselves) and θ (which the
     network keeps for its own backward anyway); s = exp(κρ) is recomputed
-    there rather than kept, and θ − m = s ⊙ ε gives ε's contribution without
+    there rather than kept (and u's slope), and θ − m = s ⊙ ε gives ε's contribution without
     storing ε. One node per bucket: when it has run, the bucket's θ and its
     incoming gradient are freed while its parameter gradients are created, so
     peak memory holds θ and ∂L/∂θ once, plus one bucket of temporaries.
@@ -195,53 +252,63 @@ class _MeanFieldBucket(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, info, eps, *tensors):
-        n, prior_pos, prior_means, var0, log_std0, kappa = info
+        n, prior_pos, prior_means, var0, log_std0, kappa, ref, knee = info
         m, rho = list(tensors[:n]), list(tensors[n:])
-        s = torch._foreach_mul(rho, kappa)
-        torch._foreach_exp_(s)
+        if knee is None and not ref:
+            u = torch._foreach_mul(rho, kappa)
+        else:
+            u = [log_std(r, kappa, ref, knee) for r in rho]
+        s = torch._foreach_exp(u)
         theta = torch._foreach_addcmul(m, s, _views(eps, m))
         kl = m[0].new_zeros(())
         if prior_pos:
             mp, sp = [m[i] for i in prior_pos], [s[i] for i in prior_pos]
             diff = torch._foreach_sub(mp, prior_means)
-            log_s = kappa * torch.stack([rho[i].sum() for i in prior_pos]).sum()  # Σ log s = κ Σ ρ
+            log_s = torch.stack([u[i].sum() for i in prior_pos]).sum()  # Σ log s
             count = sum(t.numel() for t in mp)
             kl = (_sum_squares(diff) + _sum_squares(sp)) / (2 * var0) - log_s + count * (log_std0 - 0.5)
-        ctx.info = (n, prior_pos, prior_means, var0, kappa)
+        ctx.info = (n, prior_pos, prior_means, var0, kappa, ref, knee)
         ctx.save_for_backward(*m, *rho, *theta)
         return (*theta, kl)
 
     @staticmethod
     def backward(ctx, *grads):
-        n, prior_pos, prior_means, var0, kappa = ctx.info
+        n, prior_pos, prior_means, var0, kappa, ref, knee = ctx.info
         saved = ctx.saved_tensors
         m, rho, theta = (list(saved[i * n:(i + 1) * n]) for i in range(3))
         g = [torch.zeros_like(t) if gi is None else gi for gi, t in zip(grads[:n], theta)]
         k = 0.0 if grads[n] is None or not prior_pos else float(grads[n])  # d loss / d KL
-        # ∂L/∂s = g ⊙ ε + k (s/σ² − 1/s) and ∂s/∂ρ = κ s, so with s ε = θ − m
-        # ∂L/∂ρ = κ [g ⊙ (θ − m) + k (s²/σ² − 1)]  (no division by s)
+        # ∂L/∂s = g ⊙ ε + k (s/σ² − 1/s) and ∂s/∂ρ = s du/dρ, so with s ε = θ − m
+        # ∂L/∂ρ = du/dρ [g ⊙ (θ − m) + k (s²/σ² − 1)]  (no division by s)
         grad_rho = torch._foreach_sub(theta, m)
         torch._foreach_mul_(grad_rho, g)
         grad_m = list(g)  # ∂L/∂m = g + k (m − θ̄)/σ²
         if k:
             gp = [grad_rho[i] for i in prior_pos]
-            sp = torch._foreach_mul([rho[i] for i in prior_pos], kappa)
-            torch._foreach_exp_(sp)  # s = exp(κρ), recomputed (the same operations as the forward's)
+            rp = [rho[i] for i in prior_pos]  # s recomputed (the same operations as the forward's)
+            sp = torch._foreach_mul(rp, kappa) if knee is None and not ref else [log_std(r, kappa, ref, knee)
+                                                                                 for r in rp]
+            torch._foreach_exp_(sp)
             torch._foreach_addcmul_(gp, sp, sp, value=k / var0)
             torch._foreach_add_(gp, -k)
             diff = torch._foreach_sub([m[i] for i in prior_pos], prior_means)
             for i, t in zip(prior_pos, torch._foreach_add([g[i] for i in prior_pos], diff, alpha=k / var0)):
                 grad_m[i] = t
-        torch._foreach_mul_(grad_rho, kappa)
+        if knee is None:
+            torch._foreach_mul_(grad_rho, kappa)
+        else:
+            torch._foreach_mul_(grad_rho, [log_std_slope(r, kappa, knee) for r in rho])
         return (None, None, *grad_m, *grad_rho)
 
 
 def mean_field_sample(m: list[torch.Tensor], rho: list[torch.Tensor], prior_idx: list[int],
                       prior_means: list[torch.Tensor], prior_std: float, log_std_scale: float = 1.0,
-                      generator: torch.Generator | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+                      generator: torch.Generator | None = None, *, log_std_ref: float = 0.0,
+                      log_std_knee: float | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Reparameterised sample of a mean-field Gaussian and its analytic KL to N(θ̄, σ² I).
 
-    θ_i = m_i + s_i ε_i with s_i = exp(κ ρ_i) and ε ~ N(0, I) (Blundell et al.
+    θ_i = m_i + s_i ε_i with s_i = exp(u(ρ_i)), u = :func:`log_std` (κρ, or
+    ref + b sinh(κρ/b) with a knee b) and ε ~ N(0, I) (Blundell et al.
     2015; the std parameterisation of :class:`bayeswrap.VI`), and
     KL = Σ_{i ∈ prior_idx} [log(σ/s_i) + (s_i² + (m_i − θ̄_i)²)/(2σ²) − 1/2]
     (BayesDLL eq. 7). Gradients w.r.t. m and ρ are written in closed form.
@@ -251,12 +318,14 @@ def mean_field_sample(m: list[torch.Tensor], rho: list[torch.Tensor], prior_idx:
 
     Args:
         m: variational means, one tensor per parameter.
-        rho: scaled log-stds ρ = log(s)/κ, same shapes.
+        rho: the std parameters ρ (u(ρ) = log s), same shapes.
         prior_idx: indices of the tensors that have a prior (the others get no KL term).
         prior_means: θ̄ for the tensors in ``prior_idx``, in that order.
         prior_std: σ > 0.
         log_std_scale: κ > 0.
         generator: optional ``torch.Generator`` for ε.
+        log_std_ref: the reference log-std of :func:`log_std` (nats).
+        log_std_knee: its knee b > 0 (nats), or None for u = ref + κρ.
 
     Returns:
         ``(theta, kl)``: the sampled tensors (shapes of ``m``) and the scalar KL in nats.
@@ -269,7 +338,8 @@ def mean_field_sample(m: list[torch.Tensor], rho: list[torch.Tensor], prior_idx:
     noise = random_buckets(m, groups, "normal", generator)
     for b, idx in enumerate(groups):
         prior_pos = [j for j, i in enumerate(idx) if i in prior_mean_of]
-        info = (len(idx), prior_pos, [prior_mean_of[idx[j]] for j in prior_pos], var0, log_std0, kappa)
+        info = (len(idx), prior_pos, [prior_mean_of[idx[j]] for j in prior_pos], var0, log_std0, kappa,
+                float(log_std_ref), None if log_std_knee is None else float(log_std_knee))
         eps, noise[b] = noise[b], None  # freed once the bucket's θ exists
         out = _MeanFieldBucket.apply(info, eps, *[m[i] for i in idx], *[rho[i] for i in idx])
         del eps

@@ -28,6 +28,20 @@ tunes the method's own knob; stage 2 keeps that knob and scores σ/3 and 3σ
 (bracketed like any grid; σ's stage-1 score is reused), so that the
 "inherit" candidate (σ) and the "joint" ones are compared on validation NLL.
 
+**A knob that tempers the whole posterior** (``tempered=True``; a method class
+declares it with ``knob_tempers_posterior``: VI's and IVON's ``kl_weight``). The
+per-datum loss NLL + w · KL(q ‖ N(θ̄, prior_std²)) / N with w < 1 at a fixed prior
+std also weakens the prior's pull on the means, (w / prior_std²) (m − θ̄) / N,
+so the means of a tuned run grow past MAP's. Scored at prior_std = σ √w instead,
+the pull stays MAP's (m − θ̄)/(N σ²) and only the entropy term is weighted by w:
+the objective is the ELBO of the tempered posterior p(θ | D)^{1/w} with prior
+N(θ̄, σ²) (Wenzel et al. 2020, "How Good is the Bayes Posterior in Deep Neural
+Networks Really?", eq. 4, temperature T = w). Both stages then search in (σ, w):
+stage 1 tunes w at σ, stage 2 scores σ/3 and 3σ at the chosen w, and every
+candidate is trained at ``{"prior_std": σ √w, knob: w}``. The record's
+``options`` are those trained values (what a final run is given, so that it
+reproduces); its ``reference_prior_std`` is σ.
+
 This module holds the selection rules only: it knows scores, never a run.
 
 Reference: the tuning protocol of Ovadia et al. 2019 ("Can You Trust Your
@@ -171,7 +185,8 @@ def tune(grid: Sequence[float], val_nll_of: Callable[[float], float], *,
 
 def tune_with_prior(score: Callable[[dict], float], *, knob: str | None, grid: Sequence[float] = (),
                     bounds: tuple[float, float] = UNBOUNDED, prior_std: float | None,
-                    prior_bounds: tuple[float, float] = UNBOUNDED, max_extensions: int = MAX_EXTENSIONS) -> dict:
+                    prior_bounds: tuple[float, float] = UNBOUNDED, max_extensions: int = MAX_EXTENSIONS,
+                    tempered: bool = False) -> dict:
     """A method's knob and its prior std σ, in the two stages of the module docstring.
 
     * ``knob == "prior_std"`` (MAP): one stage, ``grid`` bracketed within ``bounds``.
@@ -193,26 +208,46 @@ def tune_with_prior(score: Callable[[dict], float], *, knob: str | None, grid: S
         prior_std: σ of stage 1 (MAP's tuned value, or the configured one); None for no prior.
         prior_bounds: the values the prior std grid may be extended to.
         max_extensions: extensions per side and stage, see :func:`tune`.
+        tempered: the knob w tempers the whole posterior (see the module docstring):
+            each candidate (σ, w) is scored, and the chosen one returned, as
+            ``{"prior_std": σ √w, knob: w}``. Needs a knob other than ``"prior_std"``
+            and a prior std.
 
     Returns:
         ``{"options": {option: chosen value}, "val_nll": the winner's validation
         NLL, "choice": "inherit" | "joint" | None, "stages": [...]}``: each stage
         is a :func:`tune` record with ``"stage"`` (``"knob"`` or ``"prior_std"``),
         ``"option"`` and ``"fixed"`` (the options held fixed) added. ``choice`` is
-        None where the prior std had no stage of its own after a knob.
+        None where the prior std had no stage of its own after a knob. With
+        ``tempered`` the stages' grids, ``fixed`` and ``chosen`` are in (σ, w), each
+        stage adds ``"trained"`` (the options each grid point was trained with, in
+        grid order), ``options`` holds the trained values and ``"reference_prior_std"``
+        the chosen σ.
 
     Raises:
-        ValueError: when neither a knob nor a prior std is given, or as :func:`tune`.
+        ValueError: when neither a knob nor a prior std is given, for ``tempered``
+            without a knob or prior std to couple, or as :func:`tune`.
     """
     if knob is None and prior_std is None:
         raise ValueError("nothing to tune: knob=None and prior_std=None")
+    if tempered and (knob in (None, "prior_std") or prior_std is None):
+        raise ValueError(f"tempered=True couples the prior std with a knob that tempers the posterior; got "
+                         f"knob={knob!r}, prior_std={prior_std!r}; accepted: a knob such as 'kl_weight' and a "
+                         "prior std > 0")
     stages: list[dict] = []
     options: dict = {}
 
+    def trained(candidate: dict) -> dict:
+        """The options a candidate is trained with: σ √w for the prior std when the knob tempers."""
+        if not tempered:
+            return candidate
+        return {**candidate, "prior_std": _tidy(candidate["prior_std"] * math.sqrt(candidate[knob]))}
+
     def stage(name: str, option: str, fixed: dict, values, limits, scored=None) -> dict:
-        record = tune(values, lambda v: score({**fixed, option: v}), bounds=limits,
+        record = tune(values, lambda v: score(trained({**fixed, option: v})), bounds=limits,
                       max_extensions=max_extensions, scored=scored)
-        stages.append({"stage": name, "option": option, "fixed": dict(fixed), **record})
+        extra = {"trained": [trained({**fixed, option: v}) for v in record["grid"]]} if tempered else {}
+        stages.append({"stage": name, "option": option, "fixed": dict(fixed), **record, **extra})
         options[option] = record["chosen"]
         return record
 
@@ -233,8 +268,12 @@ def tune_with_prior(score: Callable[[dict], float], *, knob: str | None, grid: S
     candidates = sorted({sigma, min(max(_tidy(sigma / PRIOR_STEP), lo), hi), min(max(_tidy(sigma * PRIOR_STEP), lo), hi)})
     record = stage("prior_std", "prior_std", fixed, candidates, prior_bounds, scored)
     options = {"prior_std": options.pop("prior_std"), **options}
+    extra = {}
+    if tempered:
+        extra = {"reference_prior_std": options["prior_std"]}
+        options = trained(options)
     return {"options": options, "val_nll": best_nll(record),
-            "choice": "inherit" if record["chosen"] == sigma else "joint", "stages": stages}
+            "choice": "inherit" if record["chosen"] == sigma else "joint", "stages": stages, **extra}
 
 
 def _tidy(value: float) -> float:

@@ -136,6 +136,11 @@ class BayesianModel(nn.Module, ABC):
     #: the starting grid (at most 5 trained points), log-spaced around the library default; compare extends it past
     #: a winning edge, within ``tuning_bounds``
     tuning: tuple[str, tuple[float, ...]] | None = None
+    #: whether the knob in ``tuning`` (a ``kl_weight`` w) tempers the whole posterior: ``bayeswrap compare`` then
+    #: trains a candidate w at prior_std = σ √w, so that w / prior_std² = 1/σ² keeps the prior's pull on the means
+    #: at σ's and only the posterior's spread is tempered (:func:`bayeswrap.evaluation.tuning.tune_with_prior`,
+    #: ``tempered``); False: the knob is scored at the prior std as it is
+    knob_tempers_posterior: bool = False
     #: ``{option: (low, high)}``: how far ``bayeswrap compare`` may extend a tuning grid past its edge
     #: (:func:`bayeswrap.evaluation.tuning.tune`); the prior std of every method and each knob by name (p_drop < 0.5
     #: keeps half of the weights, noise_scale <= 1 keeps the temperature <= 1); an option not listed is bounded only

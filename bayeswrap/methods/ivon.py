@@ -70,6 +70,8 @@ class IVON(BayesianModel):
     required_optimizer = bw_optim.IVON
     bias_options = ("informative",)
     tuning = ("kl_weight", (1e-4, 1e-3, 1e-2, 0.1, 1.0))
+    #: kl_weight w is tuned at prior_std = σ √w: δ = w/(N prior_std²) = 1/(N σ²) is MAP's pull at every w
+    knob_tempers_posterior = True
     #: IVON's lr scales an averaged gradient with no momentum sum; chosen on digits' validation NLL
     recommended = {"lr": 0.5}
     in_default_comparison = True

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from bayeswrap.app import experiments as ex
+from bayeswrap.core.fused import LOG_STD_MAX_SLOPE
 from bayeswrap.core.io import write_json, write_text
-from bayeswrap.methods.vi import LOG_STD_CURVATURE
+from bayeswrap.methods.vi import LOG_STD_CURVATURE, LOG_STD_KNEE
 from scripts.bayesdll_side_by_side.ours import our_options
 from scripts.bayesdll_side_by_side.settings import (
     ECE_BINS,
@@ -134,13 +135,13 @@ DIFFERENCES = """\
   N = {num_train} (−3.3 at Table 2's N = 30,000), which throws that std to
   ~{kick_step:.2f} in one step (about twice that with momentum 0.5), where
   PyTorch initialises the first layer's weights within ±1/√784 = ±0.036.
-  Ours trains log s / κ (:mod:`bayeswrap.methods.vi`), so s stays positive,
-  but below its optimum log s rises by at most c·lr/2 = {vi_rate:.0e} per SGD
-  step (c = {vi_c}), {vi_rate_m:.0e} with momentum {momentum}: in {total_steps}
-  steps at most ×{vi_growth:.2f}. Started at BayesDLL's s₀ = {s0:.0e}, our stds
-  therefore stay near s₀ (measured below), the samples are the means, and
-  nst 5 repeats nst 0: with BayesDLL's step size and this budget our VI is the
-  posterior mean network, not yet a posterior. {vi_note}
+  Ours trains ρ with log s = log σ + b sinh(κρ/b) (:mod:`bayeswrap.methods.vi`),
+  so s stays positive; far below its optimum log s rises by about
+  c·lr/2·(1 + (D/b)²) per SGD step at D nats below the prior std (c = {vi_c},
+  b = {vi_knee:g}; at most {vi_rate_max:.0e} per step, {vi_rate_m:.0e} with momentum
+  {momentum}), where the earlier map log s = κρ rose by at most c·lr/2 = {vi_rate:.0e}
+  (×{vi_growth:.2f} in {total_steps} steps, so that s stayed near s₀ = {s0:.0e} and the
+  samples were the means). {vi_note}
 * **mc_dropout.** Same q (each weight kept with probability 0.9 or reset to
   the prior mean 0; biases Gaussian, never dropped) and same loss. At nst 0
   BayesDLL predicts with the kept values m themselves; ours predicts with the
@@ -221,8 +222,10 @@ def discussion(summary: dict, runs: dict, cfg: dict, num_train: int, num_test: i
              "BayesDLL's `calibration.calc_bins` was not available to cross-check the all-class ECE")
     sgld_n = our_options("sgld", num_train, cfg)["num_data"]
     vi_rate = LOG_STD_CURVATURE * cfg["lr"] / 2
+    vi_rate_max = vi_rate * LOG_STD_MAX_SLOPE**2
     text = DIFFERENCES.format(vi_note=_their_vi_note(runs), vi_rate=vi_rate, vi_c=LOG_STD_CURVATURE,
-                              vi_rate_m=vi_rate / (1 - cfg["momentum"]), momentum=cfg["momentum"],
+                              vi_knee=LOG_STD_KNEE, vi_rate_max=vi_rate_max,
+                              vi_rate_m=vi_rate_max / (1 - cfg["momentum"]), momentum=cfg["momentum"],
                               vi_growth=math.exp(vi_rate / (1 - cfg["momentum"]) * total), s0=cfg["vi_init_std"], kick=1e-3 / (num_train * 1e-8),
                               kick_step=cfg["lr"] * 1e-3 / (num_train * 1e-8), epochs=cfg["epochs"],
                               num_train=num_train, num_test=num_test, total_steps=total,
