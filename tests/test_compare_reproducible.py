@@ -170,3 +170,16 @@ def test_sampled_predictive_depends_only_on_the_generator(method, options):
     if method == "vi" and not options.get("local_reparam"):
         # weight samples: the vmapped and the one-at-a-time forward see the same draws
         torch.testing.assert_close(outs[2], outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_vi_std_cache_sees_a_set_posterior():
+    """VI's cached posterior std (eval mode, no autograd) follows ρ set through ``bnn.rho[name] = value``."""
+    torch.manual_seed(0)
+    bnn = wrap(torch.nn.Linear(3, 2), "vi", num_data=10, prior_std=1.0).eval()
+    name = bnn.rho.keys()[0]
+    with torch.no_grad():
+        before = bnn.posterior_std()[name].clone()
+        bnn.rho[name] = bnn.rho[name] * 0.5
+        after = bnn.posterior_std()[name]
+    torch.testing.assert_close(after, torch.exp(bnn.log_std_scale * bnn.rho[name].detach()), rtol=0, atol=0)
+    torch.testing.assert_close(after, before.sqrt(), rtol=1e-6, atol=0)  # s = exp(κρ): halving ρ gives √s
