@@ -87,7 +87,9 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             hold some of bnn's trainable parameters and nothing else (checked by
             identity once, at the start).
         val_loader: optional validation batches; enables validation NLL/error in
-            the history and early stopping.
+            the history and early stopping. The validation runs inside
+            :func:`rng_preserved`: it leaves torch's global random state (the training's
+            draws) as it found it, so the trained network does not depend on it.
         scheduler: optional LR scheduler (anything with ``step()``), stepped once per epoch.
             Reshuffling: ``train_loader.set_epoch(epoch)`` is called before each epoch if it
             exists, else that of its ``batch_sampler`` or ``sampler`` (a ``DistributedSampler``).
@@ -275,7 +277,8 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             record["grad_scale"] = scaler.get_scale()
         if val_loader is not None:
             bnn.eval()
-            scores = evaluate(bnn, val_loader, val_num_samples, allow_point_estimate=True)
+            with rng_preserved(device):  # validation draws nothing from the training's random stream
+                scores = evaluate(bnn, val_loader, val_num_samples, allow_point_estimate=True)
             scores = distributed.broadcast_object(scores)  # rank 0's: the same early-stopping decision everywhere
             record.update({f"val_{k}": v for k, v in scores.items()})
             if early_stopping_patience is not None:
@@ -295,6 +298,22 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         bnn.after_fit(train_loader)
     bnn.eval()
     return history
+
+
+@contextlib.contextmanager
+def rng_preserved(device: torch.device | str | None = None):
+    """A context after which torch's global random state (CPU, and ``device``'s if a GPU) is as it was before.
+
+    Evaluation inside a training run goes through it, so the training's random stream (a VI or SGLD draw,
+    a dropout mask) does not depend on what is evaluated between epochs: a ``DataLoader`` draws its base seed
+    from the global generator at every iteration (unless it has its own ``generator``), and a sampled
+    predictive without a ``generator`` draws from it too. Without it a run that also scores the test set
+    every epoch (``bayeswrap fit``) would train another network than the same run without (a ``compare``
+    tuning candidate).
+    """
+    device = torch.device("cpu") if device is None else torch.device(device)
+    with torch.random.fork_rng(devices=[] if device.type != "cuda" else [device]):
+        yield
 
 
 #: accepted ``autocast_dtype`` values besides None: the dtypes and their common string aliases

@@ -89,8 +89,14 @@ class EpochLoader:
 
 
 def eval_loader(dataset, cfg: RunConfig) -> DataLoader:
-    """An in-order loader for evaluation (batch at least 128)."""
-    return DataLoader(dataset, batch_size=max(cfg.batch_size, 128), shuffle=False, num_workers=cfg.num_workers)
+    """An in-order loader for evaluation (batch at least 128).
+
+    It has its own generator (seeded by ``cfg.seed``), from which each iteration draws its workers' base seed:
+    without one, a ``DataLoader`` draws that seed from torch's global generator, so every evaluation would move
+    the random stream of whatever trains next.
+    """
+    return DataLoader(dataset, batch_size=max(cfg.batch_size, 128), shuffle=False, num_workers=cfg.num_workers,
+                      generator=torch.Generator().manual_seed(cfg.seed))
 
 
 def device_of(name: str) -> torch.device:

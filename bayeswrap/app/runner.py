@@ -57,7 +57,7 @@ from bayeswrap.data.datasets import DataSplits
 from bayeswrap.evaluation import plots
 from bayeswrap.methods import BayesianModel
 from bayeswrap.predictive import evaluate as evaluate_loader
-from bayeswrap.training import fit
+from bayeswrap.training import fit, rng_preserved
 
 log = logging.getLogger("bayeswrap")
 
@@ -354,8 +354,9 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
     def on_epoch_end(epoch, record):
         bnn.eval()
         # every rank evaluates (identical replicas, and the random streams stay in step); rank 0 writes
-        record.update({f"test_{k}": v for k, v in
-                       evaluate_loader(bnn, test_loader, 0, allow_point_estimate=True).items()})
+        with rng_preserved(device):  # the test score draws nothing from the training's random stream
+            record.update({f"test_{k}": v for k, v in
+                           evaluate_loader(bnn, test_loader, 0, allow_point_estimate=True).items()})
         state["history"].append(record)
         if not main:
             return

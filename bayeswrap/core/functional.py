@@ -57,7 +57,10 @@ class NamedTensors(nn.Module):
         return getattr(self, _mangle(name))
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
-        getattr(self, _mangle(name)).data.copy_(value)
+        # an in-place copy of the tensor itself (not of .data), so its version counter moves and a cache keyed
+        # by it (VI's posterior_std) sees the change
+        with torch.no_grad():
+            getattr(self, _mangle(name)).copy_(value)
 
     def __contains__(self, name: object) -> bool:
         return name in self._names
