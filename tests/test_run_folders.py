@@ -252,6 +252,32 @@ def test_predict_writes_class_probabilities_and_uncertainty(vi_run, tmp_path):
     assert cli.main(["predict", str(vi_run), str(tmp_path / "x.npy"), "--out", str(out)]) == 2
 
 
+def test_predict_of_a_laplace_run_writes_the_probit_predictive_its_metrics_scored(tmp_path):
+    """Laplace's CSV holds its probit GLM predictive (``metrics.json``'s), not the mean of its linearised samples."""
+    from bayeswrap.app.build import load_splits
+    from bayeswrap.evaluation.uncertainty import mutual_information, predictive_entropy
+
+    assert _fit(tmp_path, "--num-samples", "5", method="laplace") == 0
+    run_dir = tmp_path / "digits-mlp-laplace"
+    run = bw.load_run(run_dir)
+    splits, _ = load_splits(run.config)
+    x = torch.stack([splits.test[i][0] for i in range(30)])
+    np.save(tmp_path / "x.npy", x.numpy())
+    out = tmp_path / "preds.csv"
+    assert cli.main(["predict", str(run_dir), str(tmp_path / "x.npy"), "--seed", "3", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out)))
+    with torch.no_grad():
+        probit = run.model.predict(x, 5).double()  # the default predictive: GLM(link="probit"), closed form
+    samples = run.sample_probs(x, 5, seed=3)
+    assert not torch.allclose(samples.double().mean(0), probit, atol=1e-3)  # the two predictives differ here
+    for i, row in enumerate(rows):
+        assert [float(row[f"prob_{c}"]) for c in run.class_names] == pytest.approx(probit[i].tolist(), abs=1e-6)
+        assert float(row["entropy"]) == pytest.approx(predictive_entropy(probit[None])[i].item(), abs=1e-6)
+        assert float(row["mutual_information"]) == pytest.approx(mutual_information(samples)[i].item(), abs=1e-6)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["final"]["5"]["predictive"] == "GLM(link='probit')"
+
+
 def test_predict_reads_an_image_folder_and_a_single_image(vi_run, tmp_path):
     from PIL import Image
 

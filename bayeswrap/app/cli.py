@@ -147,8 +147,8 @@ def _predict_command(args) -> int:
     out = runs.check_user_output(args.out, overwrite=args.overwrite)
     run = runs.load_run(args.run_dir, device=args.device)
     inputs, names = load_inputs(args.inputs, run.transform, run.input_shape)
-    probs = run.sample_probs(inputs, s, batch_size=batch_size, seed=seed)
-    rows = predict_rows(probs, names, run.class_names)
+    probs, samples = run.predictive(inputs, s, batch_size=batch_size, seed=seed)  # as metrics.json scored it
+    rows = predict_rows(probs, names, run.class_names, samples)
     buf = _stdio.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
     writer.writeheader()
@@ -156,7 +156,7 @@ def _predict_command(args) -> int:
     remove_stale_tmp_of(out)  # what a killed predict left beside this file
     runs.check_user_output(out, overwrite=args.overwrite)  # unchanged while the model predicted
     write_text(out, buf.getvalue())
-    print(f"{len(rows)} predictions (S={probs.shape[0] if (s or run.config.num_samples) else 0}) written to {out}")
+    print(f"{len(rows)} predictions (S={run.config.num_samples if s is None else s}) written to {out}")
     return 0
 
 

@@ -244,18 +244,30 @@ def csv_table(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
-def predict_rows(probs: torch.Tensor, names: list[str], class_names: list[str]) -> list[dict]:
-    """One CSV row per input from (S, N, K) sample probabilities.
+def predict_rows(probs: torch.Tensor, names: list[str], class_names: list[str],
+                 sample_probs: torch.Tensor | None = None) -> list[dict]:
+    """One CSV row per input, from the posterior predictive and the per-sample probabilities.
+
+    Args:
+        probs: (S, N, K) per-sample probabilities (the predictive is their mean), or the (N, K) predictive
+            itself (e.g. Laplace's probit GLM, :meth:`bayeswrap.app.runs.LoadedRun.predictive`).
+        names: the N input names.
+        class_names: the K class names.
+        sample_probs: with an (N, K) ``probs``, the (S, N, K) per-sample probabilities behind the sample-based
+            columns (None: those columns are empty).
 
     Columns: ``input``, ``predicted_class`` (index), ``predicted_label``,
     ``confidence`` (the predictive probability of that class), ``prob_<class>``
     for each class, ``entropy`` (of the posterior predictive, nats),
-    ``expected_entropy`` and ``mutual_information`` (nats; empty for S < 2).
+    ``expected_entropy`` and ``mutual_information`` (nats, from the samples; empty for S < 2).
     """
-    mean = probs.mean(0)
-    entropy = predictive_entropy(probs).tolist()
-    epistemic = mutual_information(probs).tolist() if probs.shape[0] >= 2 else [None] * len(names)
-    aleatoric = expected_entropy(probs).tolist() if probs.shape[0] >= 2 else [None] * len(names)
+    if probs.ndim == 3:
+        probs, sample_probs = probs.mean(0), probs
+    mean = probs
+    entropy = predictive_entropy(probs[None]).tolist()
+    sampled = sample_probs is not None and sample_probs.shape[0] >= 2
+    epistemic = mutual_information(sample_probs).tolist() if sampled else [None] * len(names)
+    aleatoric = expected_entropy(sample_probs).tolist() if sampled else [None] * len(names)
     conf, pred = mean.max(-1)
     rows = []
     class_names = [csv_text(c) for c in class_names]

@@ -31,7 +31,7 @@ from bayeswrap.app.build import DataInfo, build_model, data_info, input_transfor
 from bayeswrap.app.config import check_data_json, load_run_config, read_json_file
 from bayeswrap.core.checks import check_int
 from bayeswrap.core.io import CheckpointError, UnsafePathError, file_kind, load_checkpoint, pid_alive, write_text
-from bayeswrap.predictive import model_device, sample_probs_loader
+from bayeswrap.predictive import model_device, predictive_loader, sample_probs_loader
 
 MARKER = ".bayeswrap-run"
 LOCK = ".lock"
@@ -305,6 +305,34 @@ class LoadedRun:
             ValueError: naming the value, for inputs of the wrong shape or with
                 non-finite values, or a bad ``num_samples``/``batch_size``.
         """
+        s, batches, gen = self._batches(inputs, num_samples, batch_size, seed)
+        return sample_probs_loader(self.model, batches, s, generator=gen)[0]
+
+    @torch.no_grad()
+    def predictive(self, inputs: torch.Tensor, num_samples: int | None = None, *, batch_size: int = 128,
+                   seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The run's posterior predictive, as its ``metrics.json`` scored it, and the per-sample probabilities.
+
+        The predictive is the model's own (:meth:`~bayeswrap.BayesianModel.default_predictive`: Laplace's GLM
+        with its probit link, else the average over the S samples), see
+        :func:`bayeswrap.predictive.predictive_loader`.
+
+        Args:
+            inputs, num_samples, batch_size, seed: as :meth:`sample_probs`.
+
+        Returns:
+            ``(probs, sample_probs)``: (N, K) float64 predictive probabilities and the (max(S, 1), N, K)
+            per-sample probabilities (None for a closed-form predictive at S < 2), on the CPU.
+
+        Raises:
+            ValueError: as :meth:`sample_probs`.
+        """
+        s, batches, gen = self._batches(inputs, num_samples, batch_size, seed)
+        probs, samples, _ = predictive_loader(self.model, batches, s, generator=gen)
+        return probs, samples
+
+    def _batches(self, inputs, num_samples, batch_size, seed) -> tuple[int, list, torch.Generator]:
+        """S, the checked inputs as ``(inputs, dummy labels)`` batches, and the seeded generator of the samples."""
         s = check_int("num_samples", self.config.num_samples if num_samples is None else num_samples, minimum=0)
         batch_size = check_int("batch_size", batch_size, minimum=1)
         if not isinstance(inputs, torch.Tensor):
@@ -325,7 +353,7 @@ class LoadedRun:
             raise ValueError("inputs hold NaN or infinite values; accepted: finite numbers")
         batches = [(chunk, torch.zeros(len(chunk), dtype=torch.long)) for chunk in inputs.split(batch_size)]
         gen = torch.Generator(device=model_device(self.model)).manual_seed(seed)
-        return sample_probs_loader(self.model, batches, s, generator=gen)[0]
+        return s, batches, gen
 
 
 def load_run(run_dir: str | os.PathLike, *, device: str | None = None) -> LoadedRun:
