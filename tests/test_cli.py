@@ -38,8 +38,12 @@ def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
         "| method | tuned | cost | num_samples | predictive | error | ece | nll | ece_Topt | nll_Topt | temperature | "
         "shift_error | shift_ece | shift_nll | shift_ece_Topt | shift_nll_Topt | ood_auroc_entropy | ood_auroc_mi |")
     # each row names the predictive it was scored with: Laplace's own, the closed-form probit GLM
-    assert {r["predictive"] for r in rows if r["method"].startswith("laplace")} == {"GLM(link='probit')"}
-    assert {r["predictive"] for r in rows if r["method"] in ("map", "vi")} == {"Sampled()"}
+    # (S = 0 is the posterior mean for each, an ensemble's the mixture of its members' means)
+    named = {(r["method"], r["num_samples"]): r["predictive"] for r in rows}
+    assert {v for (m, s), v in named.items() if m.startswith("laplace") and s == "3"} == {"GLM(link='probit')"}
+    assert {v for (m, s), v in named.items() if m in ("map", "vi") and s == "3"} == {"Sampled()"}
+    assert {v for (m, s), v in named.items() if m in ("map", "vi", "laplace (val)") and s == "0"} == {"PosteriorMean()"}
+    assert named[("ensemble", "0")] == "Mixture()"
     for name in ("reliability.png", "shift.png", "risk_coverage.png", "gamma.png"):
         assert (base / name).stat().st_size > 10_000, name
     for method in DEFAULT_COMPARISON:

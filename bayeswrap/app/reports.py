@@ -20,6 +20,7 @@ from bayeswrap.app.config import RunConfig
 from bayeswrap.data.shift import CORRUPTION, shifted_dataset
 from bayeswrap.evaluation import calibration, conformal, plots, protocol
 from bayeswrap.evaluation.uncertainty import expected_entropy, mutual_information, predictive_entropy
+from bayeswrap.methods.predictives import MedianModel, Mixture, PosteriorMean
 from bayeswrap.predictive import predictive_loader
 
 log = logging.getLogger("bayeswrap")
@@ -68,7 +69,7 @@ def final_reports(bnn, splits, ood_test, cfg: RunConfig, num_samples: int, devic
     report = protocol.prediction_report(test[1], test[2], probs=None if averaged else test[0],
                                         val=None if val is None else (val[0], val[2]), n_bins=cfg.n_bins)
     report["num_samples"] = num_samples
-    report["predictive"] = repr(bnn.default_predictive())
+    report["predictive"] = predictive_name(bnn, num_samples)
     # split conformal sets of the predictive at T = 1 (a temperature fitted on val would reuse the calibration data)
     report["conformal"] = None if val is None else conformal.conformal_report(
         val[0], val[2], test[0], test[2], cfg.conformal_alpha, score=cfg.conformal_score)
@@ -89,6 +90,17 @@ def final_reports(bnn, splits, ood_test, cfg: RunConfig, num_samples: int, devic
     arrays = {"test": (test[0], test[2]), "val": None if val is None else (val[0], val[2])}
     return report, arrays
 
+
+
+def predictive_name(bnn, num_samples: int) -> str:
+    """The predictive a report at S = ``num_samples`` used, e.g. ``"GLM(link='probit')"``; at S = 0 the posterior
+    mean (``"PosteriorMean()"``) except where the predictive has its own S = 0 (an ensemble's mixture of its
+    members' means, the median probability model).
+    """
+    predictive = bnn.default_predictive()
+    if num_samples == 0 and not isinstance(predictive, (Mixture, MedianModel)):
+        return repr(PosteriorMean())
+    return repr(predictive)
 
 
 def write_plots(run_dir: Path, report: dict, arrays: dict, history: list[dict], cfg: RunConfig) -> None:
