@@ -117,7 +117,8 @@ def _old_final_reports(bnn, splits, ood_test, cfg, num_samples, device) -> dict:
                                                     seed=cfg.seed)),
         grids, temperature=report.get("temperature", 1.0), n_bins=cfg.n_bins)
     report["ood"] = {"classes": list(cfg.held_out_classes(splits.name)),
-                     **protocol.ood_report(test[0], predict(ood_test, 1)[0])}
+                     **protocol.ood_report(test[0], predict(ood_test, 1)[0],
+                                           temperature=report.get("temperature"))}
     return report
 
 
