@@ -351,6 +351,20 @@ class BayesianModule(pl.LightningModule):
         pred = tuple(t.cpu() for t in pred) if isinstance(pred, tuple) else pred.cpu()
         self._outputs.append((pred, sample_probs, y.cpu()))
 
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        """Keeps the global random state after each training step; :meth:`on_validation_end` puts it back (as
+        :func:`bayeswrap.training.rng_preserved` does for :func:`bayeswrap.fit`), so that the validation loader's
+        base seed and sampled predictions do not move the training's random stream."""
+        device = model_device(self.bnn)
+        self._rng_saved = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+    def on_validation_end(self) -> None:
+        saved, self._rng_saved = getattr(self, "_rng_saved", None), None
+        if saved is not None:
+            torch.set_rng_state(saved[0])
+            if saved[1] is not None:
+                torch.cuda.set_rng_state(saved[1], model_device(self.bnn))
+
     def on_validation_epoch_start(self) -> None:
         self._outputs, self._generator = [], None
 

@@ -190,7 +190,7 @@ def _vi_std(bnn, name):
 
 def test_vi_posterior_std_cache_follows_rho():
     torch.manual_seed(0)
-    bnn = bw.wrap(nn.Sequential(nn.Linear(4, 3)), "vi", num_data=10, init_std=0.1).eval()
+    bnn = bw.wrap(nn.Sequential(nn.Linear(4, 3)), "vi", num_data=10, init_std=0.1, std_knee=2.0).eval()
     with torch.no_grad():
         first = bnn.posterior_std()
         assert bnn.posterior_std() is first  # cached in eval mode
@@ -222,3 +222,26 @@ def test_log_std_map_its_slope_and_inverse():
     torch.testing.assert_close(fused.log_std_inverse(u.detach(), kappa, ref, knee), rho.detach())
     assert fused.log_std_inverse(float(u[7]), kappa, ref, knee) == pytest.approx(float(rho[7]), abs=1e-12)
     assert fused.log_std(torch.tensor([-1.0e4]), 50.0, 0.0, knee).exp().item() == 0.0  # a pruned std
+
+
+def test_vi_std_knee_auto_is_used_only_for_a_start_far_below_the_prior_std():
+    """``std_knee="auto"``: the sinh map from s₀ ≤ σ e⁻⁹ (BayesDLL's 1e-6), the linear map log s = log σ + κρ from
+    nearer starts (the default 1e-3 at σ = 1); the initial std is s₀ either way."""
+    from bayeswrap.methods.vi import AUTO_KNEE_NATS, LOG_STD_KNEE
+
+    def make(**kw):
+        return bw.wrap(nn.Linear(4, 3), "vi", num_data=10, prior_std=1.0, **kw)
+
+    assert make().log_std_knee is None and make(init_std=1e-6).log_std_knee == LOG_STD_KNEE
+    edge = math.exp(-AUTO_KNEE_NATS)
+    assert make(init_std=edge * 1.01).log_std_knee is None and make(init_std=edge * 0.99).log_std_knee == LOG_STD_KNEE
+    assert make(std_knee=None, init_std=1e-6).log_std_knee is None and make(std_knee=3.0).log_std_knee == 3.0
+    for bnn in (make(), make(init_std=1e-6)):
+        s0 = bnn.init_std
+        torch.testing.assert_close(bnn.posterior_std()["weight"], torch.full((3, 4), s0), rtol=1e-5, atol=0)
+    linear = make()
+    torch.testing.assert_close(linear.posterior_std()["bias"],
+                               torch.exp(linear.log_std_scale * linear.rho["bias"].detach()), rtol=1e-6, atol=0)
+    for bad in ("sinh", 0.0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="std_knee="):
+            make(std_knee=bad)

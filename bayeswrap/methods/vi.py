@@ -7,7 +7,8 @@ q(θ) = N(m, diag(s²)). The loss is the negative ELBO per datum (eq. 6):
 with ε_s ~ N(0, I) (the reparameterisation trick) and the analytic Gaussian KL
 (eq. 7).
 
-**The std parameterisation** log s = log σ + b sinh(κρ/b) (σ = prior_std, b =
+**The std parameterisation** log s = log σ + κρ, or, from a start far below the
+prior std (``std_knee``, :data:`AUTO_KNEE_NATS`), log s = log σ + b sinh(κρ/b) (σ = prior_std, b =
 :data:`LOG_STD_KNEE` = 2 nats, continued linearly with slope κ M, M =
 :data:`bayeswrap.core.fused.LOG_STD_MAX_SLOPE` = 5, beyond b sinh(acosh M) ≈ 9.8
 nats from log σ), with κ = sqrt(c · N / (2 · kl_weight)), c = :data:`LOG_STD_CURVATURE`
@@ -90,6 +91,11 @@ from bayeswrap.methods.sparsity import SparsityMixin
 LOG_STD_CURVATURE = 0.1
 #: b, the knee of the map log s = log σ + b sinh(κρ/b) in nats (see the module docstring)
 LOG_STD_KNEE = 2.0
+#: ``std_knee="auto"`` uses the knee only for a start this many nats or more below the prior std (s₀ ≤ σ e⁻⁹ ≈
+#: 1.2e-4 σ, e.g. BayesDLL's s₀ = 1e-6): from nearer starts (the default s₀ = 1e-3 at σ = 1 is 6.9 nats below) the
+#: linear map log s = log σ + κρ reaches the optimum in the budget, and the knee's faster climb made mean-field VI
+#: at kl_weight 1 unstable under SGD (lr 0.1, momentum 0.9) and AdamW (lr 1e-2) on the digits MLP
+AUTO_KNEE_NATS = 9.0
 #: the version of the std parameterisation in VI's checkpoints: 1 (no entry) is log s = κρ, 2 the sinh map
 STD_PARAMETERISATION = 2
 
@@ -109,11 +115,12 @@ class VI(SparsityMixin, LocalReparamMixin, BayesianModel):  # + sparsity/prune/p
         init_std: initial posterior std s₀ in [1e-18, 1e18], in parameter units. The
             means m start at the model's weights (= θ̄ for ``prior_mean="init"``).
             BayesDLL starts at s = 1e-6 with a clamped direct parameterisation;
-            here log s climbs from a small s₀ at a rate that grows with its distance
-            below the prior std (see the module docstring), so that s reaches the
-            optimum from 1e-6 in a few thousand SGD steps at lr 1e-2 (momentum 0.5),
-            where the linear map log s = κρ needed ~10⁴; the start still costs those
-            steps, so an s₀ near the optimum trains fastest.
+            from such a start (``std_knee="auto"``: 9 nats or more below the prior std)
+            log s climbs at a rate that grows with its distance below the prior std
+            (see the module docstring), so that s reaches the optimum from 1e-6 in a
+            few thousand SGD steps at lr 1e-2 (momentum 0.5), where the linear map
+            needed ~10⁴; the start still costs those steps, so an s₀ near the optimum
+            trains fastest.
         num_train_samples: Monte Carlo samples of θ per training step (integer ≥ 1).
         fused: draw the sample and the KL with the fused multi-tensor kernel
             and closed-form gradients (:func:`bayeswrap.core.fused.mean_field_sample`);
@@ -124,6 +131,12 @@ class VI(SparsityMixin, LocalReparamMixin, BayesianModel):  # + sparsity/prune/p
             :mod:`bayeswrap.core.layers`): the same predictive distribution per example,
             with lower-variance gradients. Other Bayesian parameters (and layer
             types without LRT support) keep weight sampling.
+        std_knee: b of the std map log s = log σ + b sinh(κρ/b) in nats (a number > 0),
+            None for the linear map log s = log σ + κρ, or ``"auto"`` (default):
+            :data:`LOG_STD_KNEE` when ``init_std`` is :data:`AUTO_KNEE_NATS` = 9 nats or
+            more below the prior std, else linear. The knee's faster climb made VI at
+            kl_weight 1 unstable on the digits MLP (SGD lr 0.1 with momentum 0.9, AdamW
+            lr 1e-2) from the default s₀ = 1e-3, so it is kept for far starts only.
 
     Raises:
         ValueError: for ``init_std`` outside [1e-18, 1e18] (float32 must hold s₀², 1/s₀² and
@@ -145,8 +158,13 @@ class VI(SparsityMixin, LocalReparamMixin, BayesianModel):  # + sparsity/prune/p
     in_default_comparison = True
 
     def __init__(self, model, *, init_std: float = 1e-3, num_train_samples: int = 1, fused: bool = True,
-                 local_reparam: bool = False, **kwargs):
+                 local_reparam: bool = False, std_knee: float | str | None = "auto", **kwargs):
         self.init_std = check_scale("init_std", init_std)
+        if not (std_knee in ("auto", None) or (isinstance(std_knee, (int, float)) and not isinstance(std_knee, bool)
+                                                and math.isfinite(std_knee) and std_knee > 0)):
+            raise ValueError(f"std_knee={std_knee!r} is not accepted; accepted: 'auto', None (the linear map "
+                             "log s = log σ + κρ) or a number of nats > 0")
+        self.std_knee = std_knee
         self.fused = check_bool("fused", fused)
         self.num_train_samples = check_int("num_train_samples", num_train_samples, minimum=1)
         if not isinstance(local_reparam, bool):
@@ -160,7 +178,11 @@ class VI(SparsityMixin, LocalReparamMixin, BayesianModel):  # + sparsity/prune/p
     def _init_posterior(self, init):
         self.log_std_scale = log_std_scale(self.num_data, self.kl_weight)
         self.log_std_ref = math.log(self.prior_std)
-        self.log_std_knee = LOG_STD_KNEE
+        if self.std_knee == "auto":  # the knee only for a start far below the prior std (AUTO_KNEE_NATS)
+            far = self.prior_std is not None and math.log(self.prior_std / self.init_std) >= AUTO_KNEE_NATS
+            self.log_std_knee = LOG_STD_KNEE if far else None
+        else:
+            self.log_std_knee = None if self.std_knee is None else float(self.std_knee)
         self.mean = NamedTensors(init, trainable=True)
         rho0 = self._rho_of(math.log(self.init_std))
         self.rho = NamedTensors({n: torch.full_like(t, rho0) for n, t in init.items()}, trainable=True)
