@@ -354,7 +354,8 @@ class BayesianModule(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         """Keeps the global random state after each training step; :meth:`on_validation_end` puts it back (as
         :func:`bayeswrap.training.rng_preserved` does for :func:`bayeswrap.fit`), so that the validation loader's
-        base seed and sampled predictions do not move the training's random stream."""
+        base seed and sampled predictions do not move the training's random stream.
+        """
         device = model_device(self.bnn)
         self._rng_saved = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
