@@ -63,6 +63,66 @@ def test_confidences_on_bin_edges_match_torchmetrics(dtype, n_bins):
         assert ours(probs, labels, n_bins=n_bins) == pytest.approx(ref.item(), abs=1e-6)
 
 
+def _naive_ce(conf, correct, edges):
+    """Reference loop: items in [edges[m], edges[m+1]) or, at confidence exactly 1, a bin of their own."""
+    bins = {}
+    for c, a in zip(conf, correct):
+        m = len(edges) - 1 if c == 1.0 else next(m for m in range(len(edges) - 1) if edges[m] <= c < edges[m + 1])
+        bins.setdefault(m, []).append((c, a))
+    gaps = {m: abs(sum(a for _, a in v) / len(v) - sum(c for c, _ in v) / len(v)) for m, v in bins.items()}
+    return sum(len(bins[m]) * g for m, g in gaps.items()) / len(conf), max(gaps.values())
+
+
+def _naive_items(probs, labels, kind):
+    if kind == "top_label":
+        return [max(row) for row in probs], [float(int(np.argmax(row)) == y) for row, y in zip(probs, labels)]
+    return [p for row in probs for p in row], [float(j == y) for row, y in zip(probs, labels) for j in range(len(row))]
+
+
+@pytest.mark.parametrize("kind", cal.ECE_KINDS)
+@pytest.mark.parametrize("n_bins", [1, 3, 10, 15])
+def test_ece_and_mce_match_a_reference_loop(kind, n_bins):
+    # torchmetrics computes ece/mce; this loop (and bin_stats, bayeswrap's own binning) checks that it is
+    # given the right items, norm and bins: float64 in, float64 out, to rounding
+    probs, labels = _table("random", n=300, k=4, seed=n_bins)
+    probs = probs.double().numpy()
+    edges = [m / n_bins for m in range(n_bins + 1)]
+    ref_ece, ref_mce = _naive_ce(*_naive_items(probs.tolist(), labels.tolist(), kind), edges)
+    assert cal.ece(probs, labels, n_bins=n_bins, kind=kind) == pytest.approx(ref_ece, abs=1e-12)
+    assert cal.mce(probs, labels, n_bins=n_bins, kind=kind) == pytest.approx(ref_mce, abs=1e-12)
+    stats = cal.bin_stats(probs, labels, n_bins=n_bins, kind=kind)
+    assert stats.ece == pytest.approx(ref_ece, abs=1e-12) and stats.mce == pytest.approx(ref_mce, abs=1e-12)
+    report = cal.report(probs, labels, n_bins=n_bins)["T1"]
+    assert report["ece" if kind == "top_label" else "ece_all_class"] == pytest.approx(ref_ece, abs=1e-12)
+    if kind == "top_label":
+        assert report["mce"] == pytest.approx(ref_mce, abs=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n_bins", [4, 8])
+def test_reference_loop_on_bin_edges(dtype, n_bins):
+    # confidences exactly on the edges (k/4, k/8 are exact in both precisions) and at 1.0
+    rng = np.random.default_rng(n_bins)
+    conf = rng.choice([0.5, 0.625, 0.75, 0.875, 1.0], size=200)
+    probs = np.stack([conf, 1 - conf], axis=1).astype(dtype)
+    labels = rng.integers(0, 2, size=200)
+    edges = [m / n_bins for m in range(n_bins + 1)]
+    for kind in cal.ECE_KINDS:
+        ref_ece, ref_mce = _naive_ce(*_naive_items(probs.astype(np.float64).tolist(), labels.tolist(), kind), edges)
+        assert cal.ece(probs, labels, n_bins=n_bins, kind=kind) == pytest.approx(ref_ece, abs=1e-6)
+        assert cal.mce(probs, labels, n_bins=n_bins, kind=kind) == pytest.approx(ref_mce, abs=1e-6)
+
+
+def test_float32_input_is_binned_as_torchmetrics_does():
+    # 0.7 in float32 is 0.69999999: torchmetrics bins it with the float32 edge 0.7 (on the edge: the upper bin)
+    probs = torch.tensor([[0.7, 0.3], [0.65, 0.35]], dtype=torch.float32)
+    labels = torch.tensor([0, 1])
+    ref = torchmetrics_cls.MulticlassCalibrationError(num_classes=2, n_bins=10, norm="l1")(probs, labels)
+    assert cal.ece(probs, labels, n_bins=10) == ref.item()
+    assert cal.ece(probs, labels, n_bins=10) == pytest.approx((0.3 + 0.65) / 2, abs=1e-7)  # two bins of one
+    assert cal.bin_stats(probs, labels, n_bins=10).count[6:8].tolist() == [1, 1]
+
+
 def test_edge_convention_bins():
     probs = np.array([[0.5, 0.5], [0.75, 0.25], [1.0, 0.0], [0.74, 0.26]])
     s = cal.bin_stats(probs, [0, 0, 1, 0], n_bins=4)

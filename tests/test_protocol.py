@@ -95,20 +95,21 @@ def test_shift_report_curves_and_summary(data):
 
 
 def test_ood_report_pools_scores_like_sklearn(data):
+    # torchmetrics computes the AUROC with float32 rates: it agrees with scikit-learn's to about 1e-6
     sp, _, _, _ = data
     sp_out = _normalise(sp[:, :120] + 2.0)  # flatter: more entropy
     rep = protocol.ood_report(sp, sp_out)
     assert rep["n_in"] == 300 and rep["n_out"] == 120
     h_in, h_out = predictive_entropy(sp), predictive_entropy(sp_out)
     expected = roc_auc_score(np.r_[np.zeros(300), np.ones(120)], np.r_[h_in.numpy(), h_out.numpy()])
-    assert rep["entropy"]["auroc"] == pytest.approx(expected, rel=1e-12)
+    assert rep["entropy"]["auroc"] == pytest.approx(expected, abs=1e-6)
     assert rep["entropy"]["auroc"] > 0.9
     mi = roc_auc_score(np.r_[np.zeros(300), np.ones(120)],
                        np.r_[mutual_information(sp).numpy(), mutual_information(sp_out).numpy()])
-    assert rep["mutual_information"]["auroc"] == pytest.approx(mi, rel=1e-12)
+    assert rep["mutual_information"]["auroc"] == pytest.approx(mi, abs=1e-6)
     conf = roc_auc_score(np.r_[np.zeros(300), np.ones(120)],
                          np.r_[1 - sp.mean(0).max(1).values.numpy(), 1 - sp_out.mean(0).max(1).values.numpy()])
-    assert rep["confidence"]["auroc"] == pytest.approx(conf, rel=1e-12)
+    assert rep["confidence"]["auroc"] == pytest.approx(conf, abs=1e-6)
     with pytest.raises(ValueError, match="K = 4 and 3"):
         protocol.ood_report(sp, sp_out[..., :3] / sp_out[..., :3].sum(-1, keepdim=True))
 
@@ -125,6 +126,6 @@ def test_ood_report_scores_the_temperature_scaled_entropy_like_sklearn(data):
             q /= q.sum(1, keepdims=True)
             scores.append(-(q * np.log(q)).sum(1))
         assert rep["entropy_Topt"]["auroc"] == pytest.approx(roc_auc_score(labels, np.r_[scores[0], scores[1]]),
-                                                             rel=1e-12)
+                                                             abs=1e-6)
     assert rep["entropy_Topt"]["auroc"] != rep["entropy"]["auroc"]  # a temperature can re-rank the inputs
     assert "entropy_Topt" not in protocol.ood_report(sp, sp_out)

@@ -276,6 +276,10 @@ def fpr_at_95_scan(score_in: np.ndarray, score_out: np.ndarray) -> float:
     raise AssertionError("unreachable")
 
 
+# torchmetrics (the implementation) counts in float32; scikit-learn (the oracle) in float64
+SKLEARN_TOL = 1e-6
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("ties", [False, True])
 def test_ood_metrics_match_sklearn(seed, ties):
@@ -288,16 +292,42 @@ def test_ood_metrics_match_sklearn(seed, ties):
     scores = np.r_[s_in, s_out]
     assert set(m) == {"auroc", "aupr_in", "aupr_out", "fpr95"}
     assert all(isinstance(v, float) for v in m.values())
-    assert m["auroc"] == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
-    assert m["aupr_out"] == pytest.approx(average_precision_score(labels, scores), abs=1e-12)
-    assert m["aupr_in"] == pytest.approx(average_precision_score(1 - labels, -scores), abs=1e-12)
-    assert m["fpr95"] == pytest.approx(fpr_at_95_scan(s_in, s_out), abs=1e-12)
+    assert m["auroc"] == pytest.approx(roc_auc_score(labels, scores), abs=SKLEARN_TOL)
+    assert m["aupr_out"] == pytest.approx(average_precision_score(labels, scores), abs=SKLEARN_TOL)
+    assert m["aupr_in"] == pytest.approx(average_precision_score(1 - labels, -scores), abs=SKLEARN_TOL)
+    assert m["fpr95"] == pytest.approx(fpr_at_95_scan(s_in, s_out), abs=SKLEARN_TOL)
     swapped = ood_metrics(s_out, s_in)
-    assert swapped["auroc"] == pytest.approx(1 - m["auroc"], abs=1e-12)
+    assert swapped["auroc"] == pytest.approx(1 - m["auroc"], abs=SKLEARN_TOL)
     mirrored = ood_metrics(-s_out, -s_in)  # same ranking problem with the roles of in and out exchanged
-    assert mirrored["auroc"] == pytest.approx(m["auroc"], abs=1e-12)
-    assert mirrored["aupr_in"] == pytest.approx(m["aupr_out"], abs=1e-12)
-    assert mirrored["aupr_out"] == pytest.approx(m["aupr_in"], abs=1e-12)
+    assert mirrored["auroc"] == pytest.approx(m["auroc"], abs=SKLEARN_TOL)
+    assert mirrored["aupr_in"] == pytest.approx(m["aupr_out"], abs=SKLEARN_TOL)
+    assert mirrored["aupr_out"] == pytest.approx(m["aupr_in"], abs=SKLEARN_TOL)
+
+
+@pytest.mark.parametrize("shift, scale", [(1e3, 1.0), (-50.0, 1.0), (0.0, 1e-9), (1e6, 1e-3)])
+def test_ood_metrics_depend_only_on_the_order(shift, scale):
+    # torchmetrics reads scores outside [0, 1] as logits and applies a sigmoid, which saturates (float64 at
+    # about 37): the scores must reach it as ranks, or large or close scores would become ties
+    rng = np.random.default_rng(3)
+    s_in, s_out = rng.normal(0, 1, 200), rng.normal(0.7, 1, 80)
+    ref = ood_metrics(s_in, s_out)
+    labels = np.r_[np.zeros(200), np.ones(80)]
+    moved = ood_metrics(shift + scale * s_in, shift + scale * s_out)
+    for name in ref:
+        assert moved[name] == pytest.approx(ref[name], abs=1e-12), name
+    assert ref["auroc"] == pytest.approx(roc_auc_score(labels, np.r_[s_in, s_out]), abs=SKLEARN_TOL)
+
+
+def test_ood_metrics_all_tied_and_large_inputs():
+    m = ood_metrics(np.full(7, 3.0), np.full(5, 3.0))  # one threshold: every example flagged at once
+    assert m == pytest.approx({"auroc": 0.5, "aupr_in": 7 / 12, "aupr_out": 5 / 12, "fpr95": 1.0})
+    rng = np.random.default_rng(4)
+    s_in, s_out = rng.gamma(2.0, 1.0, 60_000), rng.gamma(2.5, 1.0, 40_000)
+    labels, scores = np.r_[np.zeros(60_000), np.ones(40_000)], np.r_[s_in, s_out]
+    m = ood_metrics(s_in, s_out)
+    assert m["auroc"] == pytest.approx(roc_auc_score(labels, scores), abs=SKLEARN_TOL)
+    assert m["aupr_out"] == pytest.approx(average_precision_score(labels, scores), abs=SKLEARN_TOL)
+    assert m["aupr_in"] == pytest.approx(average_precision_score(1 - labels, -scores), abs=SKLEARN_TOL)
 
 
 def test_ood_metrics_perfect_separator_and_hand_example():

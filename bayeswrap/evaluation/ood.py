@@ -17,7 +17,7 @@ References:
 from __future__ import annotations
 
 import numpy as np
-from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
+import torch
 
 from bayeswrap.evaluation.calibration import ArrayLike
 from bayeswrap.evaluation.uncertainty import _check_vector
@@ -34,21 +34,25 @@ def ood_metrics(score_in: ArrayLike, score_out: ArrayLike) -> dict[str, float]:
     With labels :math:`t = 0` for the ``N_in`` in-distribution and :math:`t = 1`
     for the ``N_out`` OOD examples and the pooled scores :math:`s`:
 
-    * ``auroc``: ``roc_auc_score(t, s)``, the probability that a random OOD
-      example scores higher than a random in-distribution one (ties count 1/2).
-    * ``aupr_out``: ``average_precision_score(t, s)``, OOD as the positive class.
-    * ``aupr_in``: ``average_precision_score(1 - t, -s)``, in-distribution as
+    * ``auroc``: ``binary_auroc(s, t)`` (= scikit-learn's ``roc_auc_score(t, s)``), the
+      probability that a random OOD example scores higher than a random in-distribution
+      one (ties count 1/2).
+    * ``aupr_out``: ``binary_average_precision(s, t)`` (= ``average_precision_score(t, s)``),
+      OOD as the positive class.
+    * ``aupr_in``: ``binary_average_precision(-s, 1 - t)``, in-distribution as
       the positive class, ranked by the negated score.
-    * ``fpr95``: on ``roc_curve(t, s, drop_intermediate=False)``, the false-positive
+    * ``fpr95``: on the exact ROC curve ``binary_roc(s, t)`` (= ``roc_curve(t, s,
+      drop_intermediate=False)``), the false-positive
       rate (share of in-distribution examples flagged as OOD) at the first point
       (highest threshold) whose true-positive rate (share of OOD examples
       detected) is at least 0.95: :math:`\min\{\mathrm{FPR}(\tau) : \mathrm{TPR}(\tau) \ge 0.95\}`
       over thresholds τ = the distinct scores. No interpolation between points
       (the convention of torch-uncertainty's ``FPR95``).
 
-    ``average_precision_score`` is the step-wise sum
-    :math:`\sum_n (R_n - R_{n-1}) P_n`, not the trapezoidal area; its
-    rounding error (e.g. 1.0000000000000002) is clipped to [0, 1]. Swapping
+    The average precision is the step-wise sum
+    :math:`\sum_n (R_n - R_{n-1}) P_n`, not the trapezoidal area; rounding
+    error outside [0, 1] is clipped. torchmetrics computes the curves in float32
+    counts and rates, so each value agrees with scikit-learn's float64 one to about 1e-6. Swapping
     ``score_in`` and ``score_out`` turns ``auroc`` into ``1 - auroc`` and
     exchanges the two AUPRs.
 
@@ -74,13 +78,29 @@ def ood_metrics(score_in: ArrayLike, score_out: ArrayLike) -> dict[str, float]:
     """
     s_in = _check_vector(score_in, "score_in", what="in-distribution example")
     s_out = _check_vector(score_out, "score_out", what="out-of-distribution example")
-    labels = np.concatenate([np.zeros(len(s_in)), np.ones(len(s_out))])
-    scores = np.concatenate([s_in, s_out])
-    fpr, tpr, _ = roc_curve(labels, scores, drop_intermediate=False)
+    from torchmetrics.functional.classification import (  # ~2.5 s: imported when first used
+        binary_auroc,
+        binary_average_precision,
+        binary_roc,
+    )
+
+    target = torch.cat([torch.zeros(len(s_in), dtype=torch.long), torch.ones(len(s_out), dtype=torch.long)])
+    rank, top = _dense_ranks(np.concatenate([s_in, s_out]))
+    up, down = rank / top, (top - rank) / top  # the order of s and of -s, in [0, 1]
+    fpr, tpr, _ = binary_roc(up, target, validate_args=False)
     metrics = {
-        "auroc": roc_auc_score(labels, scores),
-        "aupr_in": average_precision_score(1 - labels, -scores),
-        "aupr_out": average_precision_score(labels, scores),
-        "fpr95": fpr[np.argmax(tpr >= FPR_AT_TPR)],
+        "auroc": binary_auroc(up, target, validate_args=False),
+        "aupr_in": binary_average_precision(down, 1 - target, validate_args=False),
+        "aupr_out": binary_average_precision(up, target, validate_args=False),
+        "fpr95": fpr[int(torch.argmax((tpr >= FPR_AT_TPR).to(torch.uint8)))],
     }
-    return {name: float(np.clip(value, 0.0, 1.0)) for name, value in metrics.items()}
+    return {name: float(np.clip(float(value), 0.0, 1.0)) for name, value in metrics.items()}
+
+
+def _dense_ranks(scores: np.ndarray) -> tuple[torch.Tensor, float]:
+    """Dense ranks of ``scores`` (equal scores share a rank) as float64, and the largest rank (at least 1).
+
+    Any function of the scores that depends only on their order (ROC, PR curve) is the same for the ranks.
+    """
+    distinct, rank = np.unique(scores, return_inverse=True)
+    return torch.from_numpy(rank.astype(np.float64)), float(max(len(distinct) - 1, 1))
