@@ -38,7 +38,7 @@ def test_reliability_diagram_axes_and_bars(data, tmp_path, n_bins):
     assert ax.get_xlim() == (0.0, 1.0) and ax.get_ylim() == (0.0, 1.0)
     acc_bars, gap_bars = ax.containers
     assert len(acc_bars) == len(gap_bars) == n_bins
-    assert acc_bars.get_label() == "Accuracy" and gap_bars.get_label() == "Gap"
+    assert acc_bars.get_label() == "Accuracy" and gap_bars.get_label() == plots.GAP_LABEL
     assert len(ax_hist.containers) == 1 and len(ax_hist.containers[0]) == n_bins
     # bar heights are the per-bin accuracies; the histogram sums to 1
     stats = cal.bin_stats(probs, labels, n_bins)
@@ -138,7 +138,7 @@ def test_reliability_grid_titles_counts_and_legend(reports, tmp_path):
     texts = sorted(int(t.get_text()) for t in visible[0].texts if t.get_text().isdigit())
     merged = counts[:-2] + [counts[-2] + counts[-1]]  # the {1.0} bin is drawn in the last bar
     assert texts == sorted(c for c in merged if c > 0) and sum(texts) == 500
-    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["Perfect calibration", "Accuracy", "Gap"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["Perfect calibration", "Accuracy", plots.GAP_LABEL]
 
 
 def test_shift_curves_lines_per_method_and_temperature_scaled_baseline(reports):
@@ -157,7 +157,9 @@ def test_risk_coverage_and_gamma_curves(reports, tmp_path):
     fig = plots.risk_coverage_curves({m: r["selective"] for m, r in reports.items()}, tmp_path / "rc.png")
     ax = fig.axes[0]
     assert ax.get_xlabel().startswith("coverage") and len(ax.get_lines()) == 2
-    assert ax.get_legend().get_texts()[0].get_text() == f"map (AURC {1000 * reports['map']['selective']['aurc']:.1f}e-3)"
+    aurc = reports["map"]["selective"]["aurc"]
+    assert ax.get_legend().get_texts()[0].get_text() == f"map, AURC {plots.plain_number(aurc)}"
+    assert float(plots.plain_number(aurc)) == pytest.approx(aurc, rel=5e-3)
     fig = plots.gamma_curves({m: r["gamma"] for m, r in reports.items()}, tmp_path / "gamma.png")
     titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
     assert titles == ["entropy", "mutual information", "variation ratio", "predictive std"]
@@ -166,3 +168,88 @@ def test_risk_coverage_and_gamma_curves(reports, tmp_path):
         plots.gamma_curves({"map": None})
     with pytest.raises(ValueError, match="at least one method"):
         plots.shift_curves({})
+
+
+# ------------------------------------------------------------------ figure structure (issue 33): legends, ticks, panels
+def _boxes(fig):
+    fig.canvas.draw()
+    return fig.canvas.get_renderer()
+
+
+def test_reliability_legend_is_outside_the_axes_and_explains_the_gap(data):
+    probs, labels = data
+    # an under-confident predictor: bars in the lower-right corner, where the old in-axes legend sat
+    flat = torch.softmax(probs.log() / 3.0, 1)
+    for fig in (plots.reliability_diagram(probs, labels, n_bins=10), plots.reliability_diagram(flat, labels, n_bins=10)):
+        renderer = _boxes(fig)
+        assert not any(ax.get_legend() for ax in fig.axes)  # one figure legend, none inside an axis
+        legend = fig.legends[0].get_window_extent(renderer)
+        for ax in fig.axes:
+            assert not legend.overlaps(ax.get_window_extent(renderer))
+            for container in ax.containers:
+                assert not any(legend.overlaps(bar.get_window_extent(renderer)) for bar in container)
+        texts = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert texts == ["Perfect calibration", "Accuracy", plots.GAP_LABEL, "Mean confidence", "Mean accuracy"]
+        assert "accuracy" in plots.GAP_LABEL and "confidence" in plots.GAP_LABEL
+
+
+def test_plain_numbers_in_legends():
+    assert [plots.plain_number(v) for v in (0.5771, 0.0117, 0.000512, 1.0, 0.0)] == [
+        "0.577", "0.0117", "0.000512", "1.00", "0.00"]
+    curve = {"coverage": [0.5, 1.0], "risk": [0.4, 0.5771], "aurc": 0.5771}
+    fig = plots.risk_coverage_curves({"map": curve})
+    (text,) = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert text == "map, AURC 0.577" and "e-" not in text
+
+
+@pytest.mark.parametrize("epochs", [2, 3, 7])
+def test_training_curves_tick_whole_epochs(epochs):
+    history = [{"epoch": e, "train_nll": 1 / e, "val_nll": 1.2 / e, "train_error": 0.5 / e} for e in range(1, epochs + 1)]
+    fig = plots.training_curves(history)
+    _boxes(fig)
+    for ax in fig.axes:
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+
+
+def _copy(report):
+    import copy
+
+    return copy.deepcopy(report)
+
+
+def test_equal_curves_stay_visible_and_each_operating_point_gets_its_panel(reports):
+    # laplace (val) repeats MAP's numbers exactly (a huge prior precision), laplace (marglik) differs
+    rows = {"map": reports["map"], "laplace (val)": _copy(reports["map"]), "laplace (marglik)": reports["vi"]}
+    fig = plots.risk_coverage_curves({m: r["selective"] for m, r in rows.items()})
+    lines = {ln.get_label().split(",")[0]: ln for ln in fig.axes[0].get_lines()}
+    assert set(lines) == {"map", "laplace (val) (= map)", "laplace (marglik)"}
+    assert lines["map"].get_linestyle() == "-" and lines["laplace (marglik)"].get_linestyle() == "-"
+    repeat = lines["laplace (val) (= map)"]
+    assert repeat.get_linestyle() == "--" and repeat.get_marker() == "x"
+    assert repeat.get_zorder() > lines["map"].get_zorder()  # drawn over the curve it repeats
+    assert repeat.get_color() != lines["map"].get_color()
+
+    fig = plots.shift_curves({m: r["shift"] for m, r in rows.items()}, temperature_scaled="map")
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["map", "map + TS", "laplace (val) (= map)", "laplace (marglik)"]
+    for ax in fig.axes:
+        styles = {ln.get_label(): ln.get_linestyle() for ln in ax.get_lines()}
+        assert styles["laplace (val) (= map)"] == "--" and styles["map"] == "-"
+
+    near = _copy(reports["map"])  # equal to display precision only: "≈"
+    near["gamma"] = {k: (list(np.asarray(v) * (1 + 1e-5)) if k != "alphas" else v) for k, v in near["gamma"].items()}
+    fig = plots.gamma_curves({"map": reports["map"]["gamma"], "laplace (val)": near["gamma"]})
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["map", "laplace (val) (≈ map)"]
+
+    fig = plots.reliability_grid({m: r["bins"] for m, r in rows.items()}, num_samples=4)
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in visible] == ["map, S = 4", "laplace (val), S = 4", "laplace (marglik), S = 4"]
+
+
+def test_curves_that_differ_keep_their_own_style(reports):
+    fig = plots.gamma_curves({m: r["gamma"] for m, r in reports.items()})
+    for ax in fig.axes:
+        assert all(ln.get_linestyle() == "-" for ln in ax.get_lines())
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["map", "vi"]

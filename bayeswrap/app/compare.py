@@ -34,7 +34,14 @@ from bayeswrap.app.config import (
     resolve_values,
 )
 from bayeswrap.app.options import option_users
-from bayeswrap.app.reports import comparison_rows, csv_table, markdown_table, tuned_options, write_uncertainty_plots
+from bayeswrap.app.reports import (
+    comparison_rows,
+    csv_table,
+    markdown_table,
+    operating_points,
+    tuned_options,
+    write_uncertainty_plots,
+)
 from bayeswrap.app.runner import RunInterrupted, run_fit
 from bayeswrap.core.io import write_json, write_text, write_yaml
 from bayeswrap.evaluation import plots
@@ -167,7 +174,10 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
         rows = comparison_rows(results, PRIOR_SOURCE)
         write_text(base / "comparison.md", markdown_table(rows))
         write_text(base / "comparison.csv", csv_table(rows))
-        last = {m: r["final"][str(sample_counts[-1])] for m, r in results.items()}
+        # one panel and one curve per row of the table: each operating point of a posterior (laplace (val),
+        # laplace (marglik)) is drawn on its own
+        last = {label: point["final"][str(sample_counts[-1])] for m, r in results.items()
+                for label, point in operating_points(m, r).items()}
         plots.reliability_grid({m: r["bins"] for m, r in last.items()}, base / "reliability.png",
                                num_samples=sample_counts[-1], title="Reliability on the test set, T = 1")
         write_uncertainty_plots(base, last, temperature_scaled=PRIOR_SOURCE)

@@ -19,7 +19,8 @@ from bayeswrap.core.io import atomic_write
 from bayeswrap.evaluation import calibration as cal
 
 __all__ = ["reliability_diagram", "temperature_curve", "training_curves", "reliability_grid", "shift_curves",
-           "risk_coverage_curves", "gamma_curves", "trace_plot", "rank_plot", "new_figure", "save_figure"]
+           "risk_coverage_curves", "gamma_curves", "trace_plot", "rank_plot", "new_figure", "save_figure",
+           "plain_number", "GAP_LABEL"]
 
 _FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
 
@@ -77,6 +78,10 @@ def _display_bins(stats: cal.BinStats) -> tuple[np.ndarray, ...]:
     return left + width / 2, width, count, sum_conf / safe, sum_acc / safe
 
 
+GAP_LABEL = "Gap (accuracy − mean confidence)"
+"""Legend entry of the hatched bars of a reliability diagram, which span a bin's accuracy to its mean confidence."""
+
+
 def _draw_reliability(ax, stats: cal.BinStats, *, counts: bool = False):
     """Accuracy bars, hatched gap to the mean confidence and the diagonal; optionally bin counts above bars."""
     centers, width, count, conf, acc = _display_bins(stats)
@@ -86,7 +91,7 @@ def _draw_reliability(ax, stats: cal.BinStats, *, counts: bool = False):
     gap_bottom = np.where(filled, acc, 0.0)
     gap_height = np.where(filled, conf - acc, 0.0)
     ax.bar(centers, gap_height, bottom=gap_bottom, width=width, color="tab:red", alpha=0.3, edgecolor="tab:red",
-           hatch="//", linewidth=0.6, label="Gap")
+           hatch="//", linewidth=0.6, label=GAP_LABEL)
     ax.plot([0, 1], [0, 1], linestyle="--", color="gray", linewidth=1.2, label="Perfect calibration")
     if counts:  # a strip above y = 1 with the number of items in each bin
         for x, n in zip(centers, count):
@@ -101,9 +106,10 @@ def reliability_diagram(probs: Any, labels: Any, path: str | os.PathLike | None 
 
     Top panel: one bar per confidence bin at the bin's accuracy, against the
     dashed diagonal of perfect calibration; the gap between accuracy and mean
-    confidence is shaded (red hatched bars from accuracy to confidence). ECE,
-    MCE (of ``kind``) and NLL are printed in the upper-left corner. Bottom panel:
-    the fraction of items per bin, with the mean confidence and accuracy marked.
+    confidence is shaded (red hatched bars from accuracy to confidence, labelled
+    :data:`GAP_LABEL`). ECE, MCE (of ``kind``) and NLL are printed in the upper-left corner. Bottom panel:
+    the fraction of items per bin, with the mean confidence and accuracy marked. One legend for both
+    panels sits under the figure, outside the axes, so it covers no bar.
 
     The ``{1.0}`` bin of :func:`bayeswrap.calibration.bin_stats` (confidences
     exactly 1) is drawn merged into the last bar; the printed ECE/MCE use the
@@ -124,7 +130,7 @@ def reliability_diagram(probs: Any, labels: Any, path: str | os.PathLike | None 
         called). Axes: ``fig.axes[0]`` the reliability panel (ylabel
         "Accuracy", containers ``[accuracy bars, gap bars]``, each with
         ``n_bins`` bars), ``fig.axes[1]`` the histogram (xlabel "Confidence",
-        ``n_bins`` bars).
+        ``n_bins`` bars); ``fig.legends[0]`` the legend of both, under them.
 
     Raises:
         ValueError: on bad input (see :func:`bayeswrap.calibration.bin_stats`).
@@ -148,7 +154,6 @@ def reliability_diagram(probs: Any, labels: Any, path: str | os.PathLike | None 
     ax.set_ylim(0, 1)
     ax.set_ylabel("Accuracy")
     ax.tick_params(labelbottom=False)
-    ax.legend(loc="lower right", fontsize="small")
     suffix = "" if kind == "top_label" else " (all-class)"
     text = "\n".join([f"ECE{suffix} = {100 * metrics['ECE']:.2f}%", f"MCE{suffix} = {100 * metrics['MCE']:.2f}%",
                       f"NLL = {metrics['NLL']:.4f}"])
@@ -166,7 +171,9 @@ def reliability_diagram(probs: Any, labels: Any, path: str | os.PathLike | None 
     ax_hist.set_xlabel("Confidence")
     ax_hist.set_ylabel("Fraction")
     ax_hist.set_ylim(0, max(float(frac.max()) * 1.1, 1e-3))
-    ax_hist.legend(loc="upper left", fontsize="x-small")
+    handles, names = ax.get_legend_handles_labels()
+    hist_handles, hist_names = ax_hist.get_legend_handles_labels()
+    fig.legend(handles + hist_handles, names + hist_names, loc="outside lower center", ncols=2, fontsize="small")
 
     if path is not None:
         save_figure(fig, path, dpi=dpi)
@@ -259,11 +266,13 @@ def training_curves(history: list[Mapping[str, Any]], path: str | os.PathLike | 
         title: optional figure title.
 
     Returns:
-        The matplotlib Figure (two axes: NLL and error against the epoch).
+        The matplotlib Figure (two axes: NLL and error against the epoch, ticks at whole epochs).
 
     Raises:
         ValueError: if ``history`` is empty.
     """
+    from matplotlib.ticker import MaxNLocator
+
     if not history:
         raise ValueError("training_curves needs at least one epoch record; got an empty history")
     fig = new_figure(figsize=(9, 3.6))
@@ -275,6 +284,7 @@ def training_curves(history: list[Mapping[str, Any]], path: str | os.PathLike | 
             if all(key in h for h in history):
                 ax.plot(epochs, [h[key] for h in history], marker="o", ms=3, label=split)
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers: no tick at 1.5
         ax.set_ylabel("NLL (nats)" if metric == "nll" else "error")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -296,6 +306,54 @@ def _require(results: Mapping[str, Any], what: str) -> None:
         raise ValueError(f"{what} needs at least one method's results; got none")
 
 
+def plain_number(value: float, digits: int = 3) -> str:
+    """``value`` with ``digits`` significant digits in positional notation, never scientific.
+
+    Example:
+        >>> plain_number(0.5771), plain_number(0.0117), plain_number(0.000512), plain_number(12.5)
+        ('0.577', '0.0117', '0.000512', '12.5')
+    """
+    return np.format_float_positional(float(value), precision=digits, unique=False, fractional=False, trim="k")
+
+
+_REPEAT_STYLE = {"linestyle": (0, (3, 2)), "marker": "x", "zorder": 2.5}
+"""How a curve is drawn over an equal one drawn before it: dashed with crosses, on top (the solid line and the
+dots of the first show between the dashes)."""
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Whether two series are equal to display precision (same length, within 1e-3 relative)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-3, atol=1e-6))
+
+
+def _aliases(curves: Mapping[str, list[Any]]) -> dict[str, str]:
+    """``{method: label}``: ``"<method> (= <earlier>)"`` (or ``≈`` when not bit-equal) for a method all of whose
+    series equal those of an earlier one, which would otherwise hide it, else the method's name.
+    """
+    labels: dict[str, str] = {}
+    originals: list[str] = []
+    for method, series in curves.items():
+        labels[method] = method
+        for other in originals:
+            theirs = curves[other]
+            if len(theirs) == len(series) and series and all(_close(a, b) for a, b in zip(series, theirs)):
+                exact = all(np.array_equal(np.asarray(a, float), np.asarray(b, float)) for a, b in zip(series, theirs))
+                labels[method] = f"{method} ({'=' if exact else '≈'} {other})"
+                break
+        else:
+            originals.append(method)
+    return labels
+
+
+def _plot_curve(ax, x: Any, y: Any, drawn: list[tuple[Any, Any]], **style: Any):
+    """``ax.plot(x, y, **style)``, in :data:`_REPEAT_STYLE` when an equal curve is already on ``ax``; records it."""
+    if any(_close(x, dx) and _close(y, dy) for dx, dy in drawn):
+        style = {**style, **_REPEAT_STYLE, "markevery": max(1, len(np.atleast_1d(x)) // 15)}  # ~15 crosses
+    drawn.append((x, y))
+    return ax.plot(x, y, **style)
+
+
 def reliability_grid(bins: Mapping[str, Mapping[str, Any]], path: str | os.PathLike | None = None, *,
                      num_samples: int | Mapping[str, int] | None = None, columns: int = 3,
                      title: str | None = None, dpi: int = 150):
@@ -303,8 +361,8 @@ def reliability_grid(bins: Mapping[str, Mapping[str, Any]], path: str | os.PathL
 
     Each panel shows accuracy bars per confidence bin, the hatched gap to the
     bin's mean confidence, the diagonal, the number of test examples in each bin
-    above its bar, and ECE/MCE; its title names the method and S. One shared
-    legend sits under the panels.
+    above its bar, and ECE/MCE; its title names the method (or operating point, e.g.
+    ``"laplace (marglik)"``) and S. One shared legend sits under the panels.
 
     Args:
         bins: ``{method: BinStats.to_dict()}`` (the ``"bins"`` entry of
@@ -366,6 +424,9 @@ def shift_curves(shift: Mapping[str, Mapping[str, Any]], path: str | os.PathLike
         temperature_scaled: a method whose temperature-scaled curves (``Topt``) are
             added as a dashed line labelled ``"<method> + TS"`` (the baseline every
             Bayesian method must beat); ``None`` for none.
+
+    A curve equal to one drawn before it on its panel is dashed with crosses over it;
+    a method whose curves all equal an earlier method's is labelled ``"<method> (= <earlier>)"``.
         title: optional figure title.
         dpi: resolution of the written file.
 
@@ -385,15 +446,21 @@ def shift_curves(shift: Mapping[str, Mapping[str, Any]], path: str | os.PathLike
     fig = new_figure(figsize=(12, 3.3 * rows), layout="constrained")
     axes = np.atleast_2d(fig.subplots(rows, 3, squeeze=False))
     colors = {m: f"C{i}" for i, m in enumerate({**shift, **corruption})}
+    names = _aliases({m: [shift.get(m, {}).get(k, {}).get("T1", {}).get(metric, []) for k in kinds
+                          for metric in ("error", "nll", "ece")]
+                      + [corruption[m]["mean"]["T1"][metric] for metric in ("error", "nll", "ece") if m in corruption]
+                      for m in colors})
     if corruption:
-        _corruption_row(axes[-1], corruption, colors, temperature_scaled)
+        _corruption_row(axes[-1], corruption, colors, temperature_scaled, names)
     for row, kind in zip(axes, kinds):
         for ax, metric in zip(row, ("error", "nll", "ece")):
+            drawn: list = []
             for method, rep in shift.items():
                 if kind not in rep:
                     continue
                 x = rep[kind]["intensity"]
-                ax.plot(x, rep[kind]["T1"][metric], marker="o", ms=3, color=colors[method], label=method)
+                _plot_curve(ax, x, rep[kind]["T1"][metric], drawn, marker="o", ms=3, color=colors[method],
+                            label=names[method])
                 if method == temperature_scaled:
                     ax.plot(x, rep[kind]["Topt"][metric], marker="s", ms=3, linestyle="--", color="black",
                             label=f"{method} + TS")
@@ -410,16 +477,18 @@ def shift_curves(shift: Mapping[str, Mapping[str, Any]], path: str | os.PathLike
 
 
 def _corruption_row(row: Any, corruption: Mapping[str, Mapping[str, Any]], colors: dict[str, str],
-                    temperature_scaled: str | None) -> None:
+                    temperature_scaled: str | None, names: Mapping[str, str]) -> None:
     """Error, NLL and ECE against corruption severity: thin per-corruption lines, the bold mean per method."""
     names = sorted({n for rep in corruption.values() for n in rep["corruptions"]})
     row[0].set_title(f"corruptions: mean over {len(names)} (bold), each (thin)", fontsize="medium")
     for ax, metric in zip(row, ("error", "nll", "ece")):
+        drawn: list = []
         for method, rep in corruption.items():
             x = rep["severity"]
             for curve in rep["corruptions"].values():
                 ax.plot(x, curve["T1"][metric], color=colors[method], alpha=0.25, linewidth=0.8)
-            ax.plot(x, rep["mean"]["T1"][metric], marker="o", ms=3, linewidth=2, color=colors[method], label=method)
+            _plot_curve(ax, x, rep["mean"]["T1"][metric], drawn, marker="o", ms=3, linewidth=2, color=colors[method],
+                        label=names[method])
             if method == temperature_scaled:
                 ax.plot(x, rep["mean"]["Topt"][metric], marker="s", ms=3, linestyle="--", color="black",
                         label=f"{method} + TS")
@@ -431,7 +500,10 @@ def _corruption_row(row: Any, corruption: Mapping[str, Mapping[str, Any]], color
 
 def risk_coverage_curves(selective: Mapping[str, Mapping[str, Any]], path: str | os.PathLike | None = None, *,
                          title: str | None = None, dpi: int = 150):
-    """Selective risk against coverage, one line per method, AURC in the legend.
+    """Selective risk against coverage, one line per method, AURC in the legend (``"map, AURC 0.0117"``).
+
+    A curve equal to an earlier method's is drawn dashed with crosses over it and labelled
+    ``"<method> (= <earlier>)"``.
 
     Args:
         selective: ``{method: {"coverage": [...], "risk": [...], "aurc": float}}``
@@ -449,8 +521,11 @@ def risk_coverage_curves(selective: Mapping[str, Mapping[str, Any]], path: str |
     _require(selective, "risk_coverage_curves")
     fig = new_figure(figsize=(5.5, 4.2))
     ax = fig.subplots()
-    for method, rep in selective.items():
-        ax.plot(rep["coverage"], rep["risk"], label=f"{method} (AURC {1000 * rep['aurc']:.1f}e-3)")
+    names = _aliases({m: [rep["coverage"], rep["risk"]] for m, rep in selective.items()})
+    drawn: list = []
+    for i, (method, rep) in enumerate(selective.items()):
+        _plot_curve(ax, rep["coverage"], rep["risk"], drawn, color=f"C{i}",
+                    label=f"{names[method]}, AURC {plain_number(rep['aurc'])}")
     ax.set_xlabel("coverage (fraction of test examples kept, most confident first)")
     ax.set_ylabel("risk (error among kept)")
     ax.set_xlim(0, 1)
@@ -466,7 +541,9 @@ def gamma_curves(gamma: Mapping[str, Mapping[str, Any] | None], path: str | os.P
 
     γ(α) is the fraction of correctly classified test examples whose uncertainty
     is below the α-quantile of the misclassified examples' uncertainties (see
-    :func:`bayeswrap.evaluation.uncertainty.gamma_curve`); higher is better.
+    :func:`bayeswrap.evaluation.uncertainty.gamma_curve`); higher is better. A curve
+    equal to one drawn before it is dashed with crosses; a method whose curves all
+    equal an earlier method's is labelled ``"<method> (= <earlier>)"``.
 
     Args:
         gamma: ``{method: {"alphas": [...], measure: [...], ...} or None}`` (the
@@ -486,10 +563,12 @@ def gamma_curves(gamma: Mapping[str, Mapping[str, Any] | None], path: str | os.P
     if not present:
         raise ValueError("gamma_curves: no method has gamma curves (needs correct and misclassified examples)")
     fig, axes = _grid(len(present), 4, (3.6, 3.4))
+    names = _aliases({m: [g[k] for k in present if k in g] for m, g in gamma.items() if g})
     for ax, measure in zip(axes, present):
+        drawn: list = []
         for i, (method, g) in enumerate(gamma.items()):
             if g and measure in g:
-                ax.plot(g["alphas"], g[measure], marker="o", ms=3, color=f"C{i}", label=method)
+                _plot_curve(ax, g["alphas"], g[measure], drawn, marker="o", ms=3, color=f"C{i}", label=names[method])
         ax.set_title(measure.replace("_", " "))
         ax.set_xlabel("α")
         ax.set_ylabel("γ(α)")
