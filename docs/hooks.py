@@ -26,6 +26,9 @@ from pathlib import Path
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
+sys.path.insert(0, str(Path(__file__).parent))
+from griffe_napoleon import markdown_roles  # noqa: E402  (docs/, beside this file)
+
 #: the commands whose --help the CLI page shows, in this order
 CLI_COMMANDS = ((), ("fit",), ("compare",), ("evaluate",), ("predict",))
 #: repository files published as they are, besides the generated pages
@@ -94,14 +97,14 @@ def on_files(files: Files, config) -> Files:
 # --- the method pages ---------------------------------------------------------------------------------------------
 
 def _markdown(text: str) -> str:
-    """The reStructuredText roles and literals as Markdown code spans (``:class:`~a.B``` -> ```B```), on one line."""
-    text = re.sub(r":\w+:`(~?)([^`]+)`", lambda m: f"`{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}`",
-                  text)
-    return " ".join(text.replace("``", "`").split())
+    """The reStructuredText roles and literals of ``text`` as Markdown code spans, on one line."""
+    return " ".join(markdown_roles(text).replace("``", "`").split())
 
 
 def _cell(text: str) -> str:
-    return _markdown(text).replace("|", "\\|")
+    """Text for a table cell: ``|`` escaped outside code spans (Python-Markdown reads code spans first)."""
+    parts = re.split(r"(`[^`]*`)", _markdown(text))
+    return "".join(p if p.startswith("`") else p.replace("|", "\\|") for p in parts)
 
 
 def _documented_options(cls) -> dict[str, str]:

@@ -59,6 +59,10 @@ def test_api_pages_document_the_public_objects(site):
         text = _text(site / page)
         for anchor in anchors:
             assert f'id="{anchor}"' in text, (page, anchor)
+    # the docstrings' LaTeX as MathML: ECE's ``.. math::`` block and the ``:math:`` roles
+    calibration = _text(site / "api" / "evaluation" / "calibration.html")
+    assert '<math xmlns="http://www.w3.org/1998/Math/MathML" display="block">' in calibration
+    assert ".. math::" not in calibration and ":math:" not in calibration
     # wrap's docstring as imported: the registry fills in every registered method
     wrap = _text(site / "api" / "bayeswrap.html")
     assert "{methods}" not in wrap
