@@ -588,8 +588,16 @@ class BayesianModule(pl.LightningModule):
         self._outputs, self._generator = [], None
 
     def _log_evaluation(self, prefix: str) -> None:
-        """Logs the epoch's NLL, error (RMSE), ECE and uncertainty measures under ``prefix``."""
+        """Logs the epoch's NLL, error (RMSE), ECE and uncertainty measures under ``prefix``.
+
+        Under a data-parallel strategy every rank scores the union of all ranks' predictions (gathered in rank
+        order), so the logged values are those of the whole evaluation set, the same on every rank.
+        """
         outputs, self._outputs = self._outputs, []
+        if self.trainer.world_size > 1 and distributed.is_distributed():
+            gathered: list = [None] * distributed.world_size()
+            torch.distributed.all_gather_object(gathered, outputs)
+            outputs = [o for part in gathered for o in part]
         if not outputs:
             return
         y = torch.cat([o[2] for o in outputs])
@@ -606,4 +614,5 @@ class BayesianModule(pl.LightningModule):
                 metrics["mutual_information"] = float(uncertainty.mutual_information(sample_probs).mean())
                 metrics["variation_ratio"] = float(uncertainty.variation_ratio(sample_probs).mean())
                 metrics["predictive_std"] = float(uncertainty.predictive_std(sample_probs).mean())
-        self.log_dict({f"{prefix}_{k}": float(v) for k, v in metrics.items()}, batch_size=len(y))
+        self.log_dict({f"{prefix}_{k}": float(v) for k, v in metrics.items()}, batch_size=len(y),
+                      sync_dist=True)  # equal on every rank: the mean changes nothing

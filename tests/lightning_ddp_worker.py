@@ -3,8 +3,8 @@
 Run as ``python tests/lightning_ddp_worker.py OUT_DIR METHOD [METHOD ...]``; Lightning's DDP launcher starts
 rank 1 by running this file again. Each rank seeds its global random state differently (so only
 BayesianCallback's sync of rank 0's state makes their draws equal) and writes, per method,
-``OUT_DIR/<method>-rank<r>.pt``: the posterior's state dict, the logged training metrics and the number of
-optimizer steps. Not a test module (pytest does not collect it).
+``OUT_DIR/<method>-rank<r>.pt``: the posterior's state dict, the logged training and validation metrics and
+the number of optimizer steps. Not a test module (pytest does not collect it).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main(out: str, methods: list[str]) -> None:
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              num_sanity_val_steps=0)
         torch.manual_seed(100 + int(os.environ.get("LOCAL_RANK", "0")))  # different on each rank
-        trainer.fit(module, loader)
+        trainer.fit(module, loader, loader)  # validated on the training set: 32 examples per rank
         rank = trainer.global_rank
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         torch.save({"state": bnn.state_dict(), "metrics": metrics, "global_step": trainer.global_step,

@@ -10,7 +10,8 @@ shuffled ``DistributedSampler`` shard, then rank 1's), from rank 0's seed. DDP a
 counted once. With the ranks' random states synced to rank 0's (by ``BayesianCallback`` at the start of
 training), both ranks draw what the one process draws (VI's weight sample, SGLD's noise), so the posterior
 equals the one-process posterior to float32 summation order (atol 1e-6 after 8 steps; measured at most 2.4e-7),
-and the two ranks are bit-identical.
+and the two ranks are bit-identical. The logged training means are synced over the ranks and the validation
+scores are those of the union of the ranks' predictions (``bw.predict_loader`` on the whole set).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 import bayeswrap as bw
+from bayeswrap.evaluation import calibration
 
 pytest.importorskip("lightning.pytorch")
 
@@ -103,3 +105,12 @@ def test_ddp_two_ranks_equal_one_process_on_the_union_batches(ddp_runs, method):
     for key in ("loss", "nll", "kl", "error"):
         assert rank0["metrics"][f"train_{key}"] == pytest.approx(history[-1][f"train_{key}"], rel=1e-5, abs=1e-7)
         assert rank1["metrics"][f"train_{key}"] == rank0["metrics"][f"train_{key}"]
+    # validation scores the union of the ranks' predictions: those of the whole set, on every rank
+    x, y = worker.data()
+    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    probs, targets = bw.predict_loader(reference, val, 0)
+    expected = {"nll": calibration.nll(probs, targets), "error": float((probs.argmax(1) != targets).float().mean()),
+                "ece": calibration.ece(probs, targets, n_bins=15)}
+    for key, value in expected.items():
+        assert rank0["metrics"][f"val_{key}"] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        assert rank1["metrics"][f"val_{key}"] == rank0["metrics"][f"val_{key}"]
