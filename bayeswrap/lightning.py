@@ -31,9 +31,42 @@ Predictions work under ``torch.inference_mode``, which ``Trainer.validate``,
 ``test`` and ``predict`` use by default: Laplace leaves it where it needs
 autograd (:func:`bayeswrap.core.functional.outside_inference_mode`).
 
+**Hyper-parameters and checkpoints.** :class:`BayesianModule` calls
+``save_hyperparameters`` with plain data only: the model and the optimizer,
+scheduler and KL schedule as class paths (``{"class_path": ..., "init_args":
+{...}}``, the form ``LightningCLI``/jsonargparse write) where they were given so,
+the method and ``bw.wrap``'s keyword arguments (``wrap_options``: ``num_data``,
+``prior_std``, ...) and the module's options. Loggers receive them (a
+``CSVLogger``'s ``hparams.yaml``, TensorBoard's hparams), and a checkpoint holds
+no pickled object, so ``BayesianModule.load_from_checkpoint(path)`` loads it with
+``torch.load(weights_only=True)`` (Lightning passes torch's default, True since
+torch 2.6; ``weights_only=True`` may be given) and rebuilds the module without
+arguments when the model was given as a class path. A module made from an
+``nn.Module`` instance (or from ``bnn``) cannot be rebuilt from plain data:
+``load_from_checkpoint(path, model=MyNet())`` with a fresh instance of the
+architecture (the method and wrap options come from the checkpoint), as
+Lightning's own convention for modules passed to ``__init__``. A callable
+optimizer (a lambda) is not stored either: the reloaded module predicts,
+validates and tests, and refuses to train until given ``optimizer=``.
+``ModelCheckpoint`` writes at the end of an epoch, before ``after_fit`` (Laplace's
+curvature, SWAG's BatchNorm statistics): save the finished posterior with
+``trainer.save_checkpoint(path)`` after ``fit``.
+
+**Data-parallel** (``Trainer(strategy="ddp", ...)``, tested with 2 CPU processes
+and gloo): DDP averages the ranks' gradients of ``nll_mean_rank + KL /
+num_data``, which is the gradient of the global batch's loss with the KL term
+counted once (as :mod:`bayeswrap.core.distributed` does for ``bw.fit`` under
+``torchrun``). When training starts every rank takes rank 0's random state (CPU,
+the model's CUDA device, an SGLD optimizer's generator), so all ranks make the
+same draws (VI's weight sample, the Langevin noise, which SGLD adds to the
+parameters and must be equal on every rank); the posterior then equals one
+process's trained on the union of the ranks' batches. Training metrics are
+synced means over the ranks; validation and test metrics score the union of all
+ranks' predictions (Lightning's ``DistributedSampler`` pads a set whose size the
+world size does not divide with repeated examples, which are then counted twice).
+Lightning shuffles the training set under DDP (``DistributedSampler(shuffle=True)``).
+
 Lightning is an optional dependency: ``pip install "bayeswrap[lightning]"``.
-Tested single-process on the CPU; under a data-parallel strategy each rank logs
-its own validation metrics.
 
 Example:
     >>> bnn = bw.wrap(model, "vi", num_data=len(train_set))
@@ -41,6 +74,15 @@ Example:
     >>> trainer = lightning.Trainer(max_epochs=10)
     >>> trainer.fit(module, train_loader, val_loader)
     >>> probs = torch.cat(trainer.predict(module, test_loader))   # (N, K)
+
+    Built from class paths, so that a checkpoint rebuilds it by itself:
+
+    >>> module = BayesianModule(
+    ...     model={"class_path": "torchvision.models.resnet18", "init_args": {"num_classes": 10}},
+    ...     method="vi", wrap_options={"num_data": 50_000, "prior_std": 0.1},
+    ...     optimizer={"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3}})
+    >>> trainer.fit(module, train_loader); trainer.save_checkpoint("vi.ckpt")
+    >>> module = BayesianModule.load_from_checkpoint("vi.ckpt").eval()
 """
 
 from __future__ import annotations
@@ -258,6 +300,9 @@ class BayesianCallback(pl.Callback):
       ``trainer.estimated_stepping_batches`` − ``trainer.global_step`` (``None`` if
       unbounded) and steps_per_epoch = ⌈``num_training_batches`` /
       ``accumulate_grad_batches``⌉ (Lightning steps after an epoch's last batch);
+      under a data-parallel strategy every rank first takes rank 0's random state
+      (:func:`bayeswrap.core.distributed.sync_random_state_`, with an SGLD optimizer's
+      generator), so that the ranks draw the same weights and noise;
     * ``on_train_batch_start``: puts the model's structure back in bnn's train/eval
       mode (Lightning restores ``module.training`` flags after validation without
       calling ``train()``, which bayeswrap's storage-free copy needs);
@@ -352,8 +397,10 @@ class BayesianModule(pl.LightningModule):
 
     ``trainer.fit(BayesianModule(bnn, optimizer), train_loader)`` trains ``bnn``
     as ``bw.fit(bnn, train_loader, epochs=max_epochs, optimizer=...)`` does,
-    step for step (see the module docstring; the hooks are run by a
-    :class:`BayesianCallback` that this module installs). Batches are
+    step for step (see the module docstring; the method's hooks are those of a
+    :class:`BayesianCallback`, which this module calls from its own hooks rather
+    than registering it, as Lightning would re-register it, with a notice, at
+    every ``fit``, ``validate`` and ``predict``). Batches are
     ``(inputs, targets)`` pairs or mappings with the targets under
     ``bnn.label_key`` (:func:`bayeswrap.core.batches.batch_pair`).
 
@@ -381,16 +428,48 @@ class BayesianModule(pl.LightningModule):
     tensor, or a mapping without ``bnn.label_key``) or, as in training,
     ``(inputs, targets)`` pairs and labelled mappings, whose targets are ignored.
 
+    The module is made from ``bnn`` (a model from ``bw.wrap``) or from ``model``,
+    ``method`` and ``wrap_options`` (the module calls ``bw.wrap(model, method,
+    **wrap_options)``). Its hyper-parameters (``self.hparams``, logged and stored in
+    checkpoints; see the module docstring) are ``model`` (the class path, or None
+    for an instance or ``bnn``), ``method``, ``wrap_options`` (all of wrap's keyword
+    arguments, defaults included; None if they are not plain data, e.g. a
+    ``params`` callable), ``optimizer``, ``scheduler`` and ``kl_schedule`` (class
+    paths, or None for other callables; a :class:`bayeswrap.KLSchedule` is stored as
+    its class path) and the integer and boolean options below.
+
+    A class path is a dotted string (``"torch.optim.AdamW"``) or a mapping
+    ``{"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3}}`` with
+    ``init_args`` of plain data. The object it names is imported and checked
+    before anything is called: a ``model`` must be an ``nn.Module`` subclass or a
+    function annotated to return one (``"torchvision.models.resnet18"``,
+    ``"timm.create_model"`` with ``init_args={"model_name": ...}``), an
+    ``optimizer`` a ``torch.optim.Optimizer`` subclass (called with
+    ``bnn.param_groups()`` and ``init_args``), a ``scheduler`` an ``LRScheduler``
+    subclass (called with the optimizer) and a ``kl_schedule`` a
+    :class:`bayeswrap.KLSchedule`. Load only checkpoints you trust: their class
+    paths are imported.
+
     Args:
-        bnn: the wrapped model (any method trained by :func:`bayeswrap.fit`).
+        bnn: the wrapped model (any method trained by :func:`bayeswrap.fit`), or None
+            to build it from ``model``.
         optimizer: a callable from parameters to a torch optimizer, called with
             ``bnn.param_groups()``, e.g. ``lambda params: torch.optim.SGD(params, lr=0.1,
-            momentum=0.9)``; SGLD needs ``bw.optim.SGLD(params, lr=..., num_data=N)`` and
-            IVON ``bw.optim.IVON(params, lr=...)``.
-        scheduler: ``None`` or a callable from the optimizer to a learning-rate
-            scheduler, stepped once per epoch (as fit's ``scheduler``).
-        kl_schedule: ``None`` or a callable ``epoch -> factor ≥ 0`` scaling the KL term
-            during an epoch (as fit's ``kl_schedule``, e.g. :class:`bayeswrap.KLSchedule`).
+            momentum=0.9)``, or a class path (e.g. ``{"class_path": "torch.optim.SGD",
+            "init_args": {"lr": 0.1, "momentum": 0.9}}``); SGLD needs
+            ``bw.optim.SGLD(params, lr=..., num_data=N)`` and IVON ``bw.optim.IVON(params,
+            lr=...)``. None: the module predicts, validates and tests but cannot train.
+        model: with ``bnn=None``, the network to wrap: an ``nn.Module`` or a class path
+            (which checkpoints store, so that ``load_from_checkpoint(path)`` rebuilds it).
+        method: with ``model``, the method's name (:data:`bayeswrap.METHODS`); with ``bnn``
+            None or bnn's method.
+        wrap_options: with ``model``, ``bw.wrap``'s keyword arguments (``num_data`` is
+            required); with ``bnn`` None or those bnn was wrapped with.
+        scheduler: ``None``, a callable from the optimizer to a learning-rate
+            scheduler or a class path, stepped once per epoch (as fit's ``scheduler``).
+        kl_schedule: ``None``, a callable ``epoch -> factor ≥ 0`` scaling the KL term
+            during an epoch (as fit's ``kl_schedule``, e.g. :class:`bayeswrap.KLSchedule`)
+            or a class path of a KLSchedule.
         val_num_samples: S for validation and test predictions, an integer ≥ 0.
         predict_num_samples: S of ``predict_step`` and ``forward``, an integer ≥ 0.
         n_bins: bins of the validation ECE, an integer ≥ 1.
@@ -398,10 +477,14 @@ class BayesianModule(pl.LightningModule):
         finalize: call ``bnn.after_fit`` when training ends (see :class:`BayesianCallback`).
 
     Raises:
-        ValueError: for a ``bnn`` that ``fit`` cannot train, a non-callable
-            ``optimizer`` (or ``scheduler``/``kl_schedule`` other than None), an
-            integer option out of range, or (in ``configure_optimizers``) an
-            optimizer of the wrong class or over other tensors than bnn's; during
+        ValueError: for a ``bnn`` that ``fit`` cannot train, neither or both of
+            ``bnn`` and ``model``, a ``method`` or ``wrap_options`` that differ from
+            bnn's, a ``model`` without ``method``, an ``optimizer``, ``scheduler`` or
+            ``kl_schedule`` that is neither None, a callable nor a class path, a class
+            path that does not import or names the wrong kind of object, an integer
+            option out of range, or (in ``configure_optimizers``) no optimizer, an
+            optimizer of the wrong class or over other tensors than bnn's; as
+            ``bw.wrap`` for bad wrap options; during
             training as :func:`bayeswrap.fit` (a batch that is not a pair, targets
             that do not fit the likelihood, a bad ``kl_schedule`` factor).
         FloatingPointError: if the training loss is NaN or infinite, with its
