@@ -17,6 +17,7 @@ scores are those of the union of the ranks' predictions (``bw.predict_loader`` o
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -67,9 +68,17 @@ def ddp_runs(tmp_path_factory):
         [str(HERE.parent), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     for name in ("MASTER_PORT", "PL_GLOBAL_SEED", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(name, None)  # Lightning picks a free port; the samplers' seed is 0
-    done = subprocess.run([sys.executable, str(HERE / "lightning_ddp_worker.py"), str(out), *METHODS], env=env,
-                          cwd=out, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    # a session of its own, so that a timeout ends both ranks (Lightning's launcher starts rank 1 as a child)
+    proc = subprocess.Popen([sys.executable, str(HERE / "lightning_ddp_worker.py"), str(out), *METHODS], env=env,
+                            cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"the 2-process DDP run did not finish in 600 s: {stderr[-4000:]}")
+    assert proc.returncode == 0, stderr[-4000:]
     return {(m, r): torch.load(out / f"{m}-rank{r}.pt", weights_only=True) for m in METHODS for r in range(2)}
 
 

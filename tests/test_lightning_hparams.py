@@ -115,10 +115,11 @@ def test_checkpoint_of_a_module_instance_needs_model_and_says_so(tmp_path):
 
 
 def test_hyperparameters_reach_the_logger(tmp_path):
-    logger = pl.loggers.CSVLogger(tmp_path, name="run")
+    loggers = [pl.loggers.CSVLogger(tmp_path, name="run"), pl.loggers.TensorBoardLogger(tmp_path, name="tb")]
     module = BayesianModule(model=MODEL, method="vi", wrap_options={"num_data": N, "prior_std": 0.25},
                             optimizer=SGD, val_num_samples=2)
-    _trainer(tmp_path, logger=logger, max_epochs=1, enable_checkpointing=False).fit(module, _loader())
+    _trainer(tmp_path, logger=loggers, max_epochs=1, enable_checkpointing=False).fit(module, _loader())
+    assert yaml.safe_load((tmp_path / "tb" / "version_0" / "hparams.yaml").read_text()) == dict(module.hparams)
     hparams = yaml.safe_load((tmp_path / "run" / "version_0" / "hparams.yaml").read_text())
     assert hparams["method"] == "vi" and hparams["model"] == MODEL and hparams["optimizer"] == SGD
     assert hparams["wrap_options"]["num_data"] == N and hparams["wrap_options"]["prior_std"] == 0.25
