@@ -309,8 +309,11 @@ class BayesianCallback(pl.Callback):
     * ``on_train_batch_end``: ``bnn.after_step()`` once per optimizer step taken
       (``trainer.global_step`` advanced), so gradient accumulation counts steps,
       not batches;
-    * ``on_train_epoch_end``: a ``FloatingPointError`` naming the first trainable
-      parameter of bnn that holds NaN or inf (as :func:`bayeswrap.fit` checks);
+    * ``on_train_epoch_end``: under a data-parallel strategy, the mean over the ranks
+      of the model's buffers (BatchNorm statistics, as :func:`bayeswrap.fit` takes),
+      so that the replicas stay identical; then a ``FloatingPointError`` naming the
+      first trainable parameter of bnn that holds NaN or inf (as :func:`bayeswrap.fit`
+      checks);
     * ``on_train_end``: ``bnn.after_fit(trainer.train_dataloader)`` with autograd
       on (leaving ``torch.inference_mode``), then ``bnn.eval()``.
 
@@ -378,6 +381,9 @@ class BayesianCallback(pl.Callback):
         self._stepped = trainer.global_step
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
+        # under a data-parallel strategy: the mean of the ranks' BatchNorm statistics, as fit takes (DDP sends rank
+        # 0's buffers at each forward, and each rank then updates them with its own shard)
+        distributed.average_(self.bnn.model_buffers.values())
         bad = nonfinite_names((n, p) for n, p in self.bnn.named_parameters() if p.requires_grad)
         if bad:
             raise FloatingPointError(

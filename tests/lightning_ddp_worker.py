@@ -1,9 +1,9 @@
 """Worker of tests/test_lightning_ddp.py: trains with ``lightning.Trainer(strategy="ddp", devices=2)`` on the CPU.
 
-Run as ``python tests/lightning_ddp_worker.py OUT_DIR METHOD [METHOD ...]``; Lightning's DDP launcher starts
+Run as ``python tests/lightning_ddp_worker.py OUT_DIR METHOD [METHOD ...]`` (``map-bn``: with BatchNorm); Lightning's DDP launcher starts
 rank 1 by running this file again. Each rank seeds its global random state differently (so only
 BayesianCallback's sync of rank 0's state makes their draws equal) and writes, per method,
-``OUT_DIR/<method>-rank<r>.pt``: the posterior's state dict, the logged training and validation metrics and
+``OUT_DIR/<METHOD>-rank<r>.pt``: the posterior's state dict, the logged training and validation metrics and
 the number of optimizer steps. Not a test module (pytest does not collect it).
 """
 
@@ -26,9 +26,10 @@ def data():
     return x, y
 
 
-def net():
+def net(batchnorm: bool = False):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, CLASSES))
+    norm = [torch.nn.BatchNorm1d(16)] if batchnorm else []
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), *norm, torch.nn.Tanh(), torch.nn.Linear(16, CLASSES))
 
 
 def optimizer(method: str):
@@ -47,18 +48,21 @@ def main(out: str, methods: list[str]) -> None:
     torch.set_num_threads(1)
     x, y = data()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=PER_RANK)
-    for method in methods:
-        bnn = bw.wrap(net(), method, num_data=N, **OPTIONS.get(method, {}))
+    for name in methods:  # "map-bn": MAP of a network with BatchNorm
+        method = name.split("-")[0]
+        bnn = bw.wrap(net(batchnorm=name.endswith("-bn")), method, num_data=N, **OPTIONS.get(method, {}))
         module = BayesianModule(bnn, optimizer(method))
         trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=WORLD, max_epochs=EPOCHS, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              num_sanity_val_steps=0)
         torch.manual_seed(100 + int(os.environ.get("LOCAL_RANK", "0")))  # different on each rank
-        trainer.fit(module, loader, loader)  # validated on the training set: 32 examples per rank
+        # validated on the training set, 32 examples per rank (not with BatchNorm: a validation forward through
+        # DDP would send rank 0's statistics to every rank and hide what the epoch's end does)
+        trainer.fit(module, loader, None if name.endswith("-bn") else loader)
         rank = trainer.global_rank
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
         torch.save({"state": bnn.state_dict(), "metrics": metrics, "global_step": trainer.global_step,
-                    "world_size": trainer.world_size}, os.path.join(out, f"{method}-rank{rank}.pt"))
+                    "world_size": trainer.world_size}, os.path.join(out, f"{name}-rank{rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ sys.path.insert(0, str(HERE))
 import lightning_ddp_worker as worker  # noqa: E402
 
 METHODS = ("map", "vi", "sgld")
+RUNS = (*METHODS, "map-bn")
 
 
 class UnionBatches:
@@ -69,7 +70,7 @@ def ddp_runs(tmp_path_factory):
     for name in ("MASTER_PORT", "PL_GLOBAL_SEED", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(name, None)  # Lightning picks a free port; the samplers' seed is 0
     # a session of its own, so that a timeout ends both ranks (Lightning's launcher starts rank 1 as a child)
-    proc = subprocess.Popen([sys.executable, str(HERE / "lightning_ddp_worker.py"), str(out), *METHODS], env=env,
+    proc = subprocess.Popen([sys.executable, str(HERE / "lightning_ddp_worker.py"), str(out), *RUNS], env=env,
                             cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -79,7 +80,7 @@ def ddp_runs(tmp_path_factory):
         _, stderr = proc.communicate()
         pytest.fail(f"the 2-process DDP run did not finish in 600 s: {stderr[-4000:]}")
     assert proc.returncode == 0, stderr[-4000:]
-    return {(m, r): torch.load(out / f"{m}-rank{r}.pt", weights_only=True) for m in METHODS for r in range(2)}
+    return {(m, r): torch.load(out / f"{m}-rank{r}.pt", weights_only=True) for m in RUNS for r in range(2)}
 
 
 def _reference(method: str):
@@ -123,3 +124,18 @@ def test_ddp_two_ranks_equal_one_process_on_the_union_batches(ddp_runs, method):
     for key, value in expected.items():
         assert rank0["metrics"][f"val_{key}"] == pytest.approx(value, rel=1e-5, abs=1e-6), key
         assert rank1["metrics"][f"val_{key}"] == rank0["metrics"][f"val_{key}"]
+
+
+def test_ddp_ranks_keep_identical_batchnorm_statistics(ddp_runs):
+    """Each rank updates BatchNorm's running statistics with its own shard; at each epoch's end they are averaged
+    over the ranks (as bw.fit does under torchrun), so the replicas end identical (not equal to one process: the
+    batch statistics of 8 examples per rank are not those of the 16-example union).
+    """
+    rank0, rank1 = ddp_runs["map-bn", 0]["state"], ddp_runs["map-bn", 1]["state"]
+    stats = [k for k in rank0 if k.startswith("model_buffers.") and "running_" in k]
+    assert len(stats) == 2
+    untrained = bw.wrap(worker.net(batchnorm=True), "map", num_data=worker.N).state_dict()
+    for key, value in rank0.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, rank1[key]), key
+    assert all(not torch.equal(rank0[k], untrained[k]) for k in stats)
