@@ -223,6 +223,9 @@ def _callable_or_spec(name: str, value, allow_none: bool = True):
     """``(make, spec)``: the callable to use and the plain-data spec to store (None for a callable given as such)."""
     if value is None and allow_none:
         return None, None
+    as_spec = _class_as_spec(value)
+    if as_spec is not None:
+        value = as_spec
     if _is_class_path(value):
         spec = class_path_spec(name, value)
         if name == "kl_schedule":
@@ -233,6 +236,22 @@ def _callable_or_spec(name: str, value, allow_none: bool = True):
     accepted = _CLASS_PATH_KINDS[name][1]
     raise ValueError(f"{name}={value!r} is not accepted; accepted: {'None, ' if allow_none else ''}a callable, or a "
                      f"class path ('pkg.Class' or {{'class_path': 'pkg.Class', 'init_args': {{...}}}}) of {accepted}")
+
+
+def _class_as_spec(value) -> dict | None:
+    """A class (``torch.optim.AdamW``) or a ``functools.partial`` of one with plain-data keywords
+    (``partial(torch.optim.AdamW, lr=1e-3)``) as a class-path spec; None for anything else.
+    """
+    func, keywords = value, {}
+    if isinstance(value, functools.partial) and not value.args:
+        func, keywords = value.func, dict(value.keywords)
+    if not inspect.isclass(func):
+        return None
+    try:
+        return {"class_path": f"{func.__module__}.{func.__qualname__}",
+                "init_args": {k: _storable(k, v) for k, v in keywords.items()}}
+    except ValueError:  # keywords that are not plain data: kept as a callable
+        return None
 
 
 def _short(value) -> str:
@@ -441,8 +460,10 @@ class BayesianModule(pl.LightningModule):
     for an instance or ``bnn``), ``method``, ``wrap_options`` (all of wrap's keyword
     arguments, defaults included; None if they are not plain data, e.g. a
     ``params`` callable), ``optimizer``, ``scheduler`` and ``kl_schedule`` (class
-    paths, or None for other callables; a :class:`bayeswrap.KLSchedule` is stored as
-    its class path) and the integer and boolean options below.
+    paths; a class such as ``torch.optim.AdamW``, a ``functools.partial`` of one with
+    plain-data keywords and a :class:`bayeswrap.KLSchedule` are stored as theirs;
+    None for other callables, e.g. a lambda) and the integer and boolean options
+    below.
 
     A class path is a dotted string (``"torch.optim.AdamW"``) or a mapping
     ``{"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-3}}`` with

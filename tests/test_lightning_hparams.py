@@ -146,6 +146,19 @@ def test_predict_prints_no_callback_notice(tmp_path, caplog, capsys):
     assert not any(type(c).__name__ == "BayesianCallback" for c in trainer.callbacks)  # hooks run from the module
 
 
+def test_classes_and_partials_are_stored_as_class_paths():
+    bnn = bw.wrap(nn.Linear(64, 10), "vi", num_data=N)
+    module = BayesianModule(bnn, functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+                            scheduler=torch.optim.lr_scheduler.ConstantLR)
+    assert module.hparams["optimizer"] == {"class_path": "torch.optim.sgd.SGD",
+                                           "init_args": {"lr": 0.1, "momentum": 0.9}}
+    assert module.hparams["scheduler"] == {"class_path": "torch.optim.lr_scheduler.ConstantLR", "init_args": {}}
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert isinstance(optimizer, torch.optim.SGD) and optimizer.defaults["momentum"] == 0.9
+    kept = BayesianModule(bnn, functools.partial(torch.optim.SGD, lr=torch.ones(2)))  # not plain data: a callable
+    assert kept.hparams["optimizer"] is None and kept.make_optimizer.keywords["lr"].shape == (2,)
+
+
 def test_class_paths_are_checked_before_anything_is_called():
     assert class_path_spec("model", "torchvision.models.resnet18") == {
         "class_path": "torchvision.models.resnet18", "init_args": {}}  # a function annotated to return a module
