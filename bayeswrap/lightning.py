@@ -116,7 +116,7 @@ from bayeswrap.methods.registry import wrap
 from bayeswrap.predictive import model_device, score
 from bayeswrap.training import check_optimizer, diagnose_nonfinite_loss, parameter_label, step_loss
 
-__all__ = ["BayesianCallback", "BayesianModule"]
+__all__ = ["BayesianCallback", "BayesianModule", "class_path_spec"]
 
 
 def _check_bnn(bnn) -> BayesianModel:
