@@ -425,7 +425,9 @@ class BayesianModule(pl.LightningModule):
     step for step (see the module docstring; the method's hooks are those of a
     :class:`BayesianCallback`, which this module calls from its own hooks rather
     than registering it, as Lightning would re-register it, with a notice, at
-    every ``fit``, ``validate`` and ``predict``). Batches are
+    every ``fit``, ``validate`` and ``predict``; a subclass that overrides
+    ``on_train_start``, ``on_train_batch_start``, ``on_train_batch_end``,
+    ``on_train_epoch_end`` or ``on_train_end`` calls ``super()``'s). Batches are
     ``(inputs, targets)`` pairs or mappings with the targets under
     ``bnn.label_key`` (:func:`bayeswrap.core.batches.batch_pair`).
 
