@@ -1,17 +1,20 @@
 """bayeswrap.lightning under a 2-process DDP ``lightning.Trainer`` on the CPU (gloo) equals one process.
 
 ``tests/lightning_ddp_worker.py`` runs ``Trainer(strategy="ddp", accelerator="cpu", devices=2)`` in a
-subprocess (Lightning's launcher starts rank 1 by running the script again), for MAP, VI and SGLD (Langevin
-noise on), 8 examples per rank and step, 2 epochs. The ranks seed their random state differently.
+subprocess (Lightning's launcher starts rank 1 by running the script again), for MAP, VI, SGLD (Langevin
+noise on) and Laplace (diagonal curvature, summed over the ranks' shards), 8 examples per rank and step,
+2 epochs, validating on the training set, and for MAP of a network with BatchNorm. The ranks seed their
+random state differently.
 
 Oracle: ``bw.fit`` in this process on the union of the two ranks' batches of each step (16 examples: rank 0's
 shuffled ``DistributedSampler`` shard, then rank 1's), from rank 0's seed. DDP averages the ranks' gradients of
 ``nll_mean_rank + KL / num_data``, which is the gradient of ``nll_mean_union + KL / num_data``: the KL term
 counted once. With the ranks' random states synced to rank 0's (by ``BayesianCallback`` at the start of
 training), both ranks draw what the one process draws (VI's weight sample, SGLD's noise), so the posterior
-equals the one-process posterior to float32 summation order (atol 1e-6 after 8 steps; measured at most 2.4e-7),
-and the two ranks are bit-identical. The logged training means are synced over the ranks and the validation
-scores are those of the union of the ranks' predictions (``bw.predict_loader`` on the whole set).
+equals the one-process posterior to float32 summation order (rtol 1e-5, atol 1e-6 after 8 steps; measured at
+most 2.4e-7 on the parameters and 9.5e-7 on Laplace's curvature, whose entries reach 11), and the two ranks
+are bit-identical. The logged training means are synced over the ranks and the validation scores are those
+of the union of the ranks' predictions (``bw.predict_loader`` on the whole set).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import lightning_ddp_worker as worker  # noqa: E402
 
-METHODS = ("map", "vi", "sgld")
+METHODS = ("map", "vi", "sgld", "laplace")
 RUNS = (*METHODS, "map-bn")
 
 
@@ -107,7 +110,7 @@ def test_ddp_two_ranks_equal_one_process_on_the_union_batches(ddp_runs, method):
         if not isinstance(value, torch.Tensor):
             continue
         assert torch.equal(rank0["state"][key], rank1["state"][key]), key  # identical replicas
-        torch.testing.assert_close(rank0["state"][key], value, rtol=0, atol=1e-6, msg=key)
+        torch.testing.assert_close(rank0["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
         moved += value.is_floating_point() and not torch.equal(value, bw.wrap(
             worker.net(), method, num_data=worker.N, **worker.OPTIONS.get(method, {})).state_dict()[key])
     assert moved  # training moved the posterior
