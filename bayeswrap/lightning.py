@@ -557,12 +557,18 @@ class BayesianModule(pl.LightningModule):
                                  "(bw.METHODS), e.g. method='vi'")
             if _is_class_path(model):
                 model_spec = class_path_spec("model", model)
-                model = _from_spec("model", model_spec)
             elif not isinstance(model, nn.Module):
                 raise ValueError(f"model={_short(model)} is not accepted; accepted: an nn.Module, or a class path "
                                  "('pkg.Class' or {'class_path': 'pkg.Class', 'init_args': {...}}) of "
                                  f"{_CLASS_PATH_KINDS['model'][1]}")
-            bnn = _check_bnn(wrap(model, method, **(wrap_options or {})))
+            if wrap_options is None:
+                raise ValueError("wrap_options=None is not accepted with model=; accepted: bw.wrap's keyword "
+                                 "arguments, at least num_data (e.g. {'num_data': 50000}). A checkpoint of a module "
+                                 "whose bnn had arguments that cannot be stored (a params callable) stores none: "
+                                 "load it with load_from_checkpoint(path, bnn=bw.wrap(MyNet(), method, ...))")
+            if model_spec is not None:
+                model = _from_spec("model", model_spec)
+            bnn = _check_bnn(wrap(model, method, **wrap_options))
         self.bnn = bnn
         self.callback = BayesianCallback(bnn, finalize=finalize)  # its hooks run from this module's hooks
         self._outputs: list[tuple] = []  # the evaluation epoch's (predictive, sample probs, targets) per batch

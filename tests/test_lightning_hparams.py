@@ -179,3 +179,7 @@ def test_class_paths_are_checked_before_anything_is_called():
         BayesianModule(bw.wrap(nn.Linear(64, 10), "vi", num_data=N), method="map")
     with pytest.raises(ValueError, match=r"BayesianModule needs bnn .* or model"):
         BayesianModule()
+    with pytest.raises(ValueError, match=r"wrap_options=None is not accepted with model=; .* at least num_data"):
+        BayesianModule(model=MODEL, method="vi")
+    callable_params = bw.wrap(nn.Linear(64, 10), "vi", num_data=N, params=lambda name, p: name == "bias")
+    assert BayesianModule(callable_params).hparams["wrap_options"] is None  # a callable cannot be stored
