@@ -222,8 +222,10 @@ def test_checkpoint_round_trip_through_bnn_load_state_dict():
 
 def test_bad_arguments():
     bnn = bw.wrap(_net(), "sgld", num_data=N)
-    with pytest.raises(ValueError, match="optimizer=None is not accepted; accepted: a callable"):
-        BayesianModule(bnn, None)
+    with pytest.raises(ValueError, match=r"optimizer=3 is not accepted; accepted: None, a callable, or a class path"):
+        BayesianModule(bnn, 3)
+    with pytest.raises(ValueError, match=r"optimizer=None: this BayesianModule cannot train"):  # it can predict
+        _trainer().fit(BayesianModule(bnn), _loader())
     with pytest.raises(ValueError, match="val_num_samples"):
         BayesianModule(bnn, _make_optimizer(bnn), val_num_samples=-1)
     with pytest.raises(ValueError, match="run_chains"):
