@@ -285,3 +285,15 @@ def test_bad_group_argument_and_model_options():
     with pytest.raises(ValueError, match="prior_std=None"):
         _tiny(prior_std=None)
     assert bw.method_options("ivon") == ("hess_init",)
+
+
+def test_ivon_kl_schedule_zero_factor_is_refused_naming_the_cause():
+    """A KLSchedule warm-up (factor 0) makes λ = num_data / kl_weight infinite: a ValueError naming it, not ZeroDivisionError."""
+    from bayeswrap.core.schedules import KLSchedule
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    bnn = bw.wrap(torch.nn.Linear(3, 2), "ivon", num_data=8)
+    opt = bw.optim.IVON(bnn.param_groups(), lr=0.1)
+    with pytest.raises(ValueError, match="IVON needs kl_weight > 0"):
+        bw.fit(bnn, [(x, y)], epochs=1, optimizer=opt, kl_schedule=KLSchedule(warmup_epochs=1))

@@ -107,7 +107,15 @@ class IVON(BayesianModel):
 
     @property
     def ess(self) -> float:
-        """λ = num_data / kl_weight, the effective sample size."""
+        """λ = num_data / kl_weight, the effective sample size.
+
+        Raises:
+            ValueError: ``kl_weight <= 0`` (e.g. a ``kl_schedule`` factor of 0): λ would be infinite.
+        """
+        if self.kl_weight <= 0:
+            raise ValueError(f"kl_weight={self.kl_weight!r}: IVON needs kl_weight > 0 (λ = num_data / kl_weight "
+                             "is infinite at 0); accepted: a kl_schedule whose factor stays > 0 (no warm-up at 0, "
+                             "e.g. KLSchedule(warmup_epochs=0, ramp_epochs=T)), or no kl_schedule")
         return self.num_data / self.kl_weight
 
     @property
