@@ -56,7 +56,7 @@ def test_a_fine_tuned_ensemble_reinitialises_the_head_of_every_member():
         assert cls.run_options(run) == {"reinit": ["fc", "head.proj"]}
         assert cls.run_options(RunInfo(epochs=2, pretrained=True, head=("fc.weight",),
                                        options={"reinit": "all"})) == {}
-        assert cls.run_options(RunInfo(epochs=2, head=("fc.weight",))) == {"reinit": "all"}  # from scratch
+        assert cls.run_options(RunInfo(epochs=2, head=("fc.weight",))) == {}  # from scratch: the constructor's
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if m not in ("sgld", "laplace", "ensemble", "multiswag")])

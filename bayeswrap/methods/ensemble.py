@@ -14,11 +14,12 @@ An :class:`Ensemble` holds M complete Bayesian models of one registered method
   ``params="last_layer"`` on a pretrained backbone it is the head: the body starts
   from the pretrained weights in every member and only the head differs, the usual
   recipe for fine-tuned ensembles (the command line passes the head for pretrained
-  backbones, and ``"all"`` for a model trained from scratch). For a peft LoRA model
-  it is the adapters, re-drawn by peft's own initialisation (random A, zero B), so
-  every member starts at the pretrained function. Pass ``reinit`` explicitly for a
+  backbones). For a peft LoRA model it is the adapters, re-drawn by peft's own
+  initialisation (random A, zero B), so every member starts at the pretrained function. Pass ``reinit`` explicitly for a
   pretrained model whose every weight is Bayesian (``params=None``): the head's names,
-  or ``"none"``. With ``prior_mean="init"`` each member's prior is centred at its own
+  or ``"none"``; and ``reinit="all"`` for a model trained from scratch whose Bayesian
+  parameters are only some (``params="last_layer"``), so that each member's body is
+  drawn afresh too. With ``prior_mean="init"`` each member's prior is centred at its own
   initial weights (the pretrained body is the prior mean of every member).
 * **Training.** ``bw.fit`` trains all members at once. The loss is the *sum* of
   the members' losses (each member's gradient is exactly the one it would get
@@ -50,6 +51,7 @@ registered as ``"multiswag"``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -145,15 +147,14 @@ class Ensemble(BayesianModel):
 
     @classmethod
     def run_options(cls, run) -> dict:
-        """Unless the run gives ``reinit``: a fine-tuned ensemble (pretrained weights with a new head) gets a freshly
-        initialised head per member (``reinit`` = the head's modules, whatever ``params`` is); a model trained from
-        scratch re-draws every trainable weight per member (``reinit="all"``, the deep ensemble).
+        """A fine-tuned ensemble (pretrained weights with a new head) gets a freshly initialised head per member:
+        ``reinit`` = the head's modules (whatever ``params`` is), unless the run gives ``reinit``. A model trained
+        from scratch takes the constructor's default (the Bayesian trainable parameters: every trainable one unless
+        ``params`` narrows them).
         """
-        if "reinit" in run.options:
-            return {}
-        if run.pretrained:
+        if run.pretrained and "reinit" not in run.options:
             return {"reinit": sorted({name.rsplit(".", 1)[0] for name in run.head})}
-        return {"reinit": "all"}
+        return {}
 
     def __init__(self, model, *, num_members: int = 5, member: str | None = None, member_kwargs: dict | None = None,
                  reinit: str | list[str] = "bayesian", init_seed: int | None = None, parallel: str = "auto", **kwargs):
@@ -410,6 +411,18 @@ class Ensemble(BayesianModel):
         parts = [member.sample(s, generator) for member, s in zip(self.members, self.draws_per_member(num_samples))
                  if s]
         return {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+
+    @contextlib.contextmanager
+    def shared_draws(self):
+        """Every member's ``shared_draws()`` context, for those that have one (SWAG members: MultiSWAG), see
+        :meth:`bayeswrap.SWAG.shared_draws`.
+        """
+        with contextlib.ExitStack() as stack:
+            for member in self.members:
+                scope = getattr(member, "shared_draws", None)
+                if callable(scope):
+                    stack.enter_context(scope())
+            yield self
 
     def default_predictive(self, model: str = "full", **options) -> Predictive:
         """The mixture of the members' predictives, :class:`~bayeswrap.methods.predictives.Mixture`
