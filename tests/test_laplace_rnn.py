@@ -1,7 +1,9 @@
 """Full-network Laplace on a recurrent classifier (embedding -> nn.LSTM -> Linear on the last hidden state).
 
-``predict`` runs under ``torch.no_grad``, where PyTorch's CPU (oneDNN) LSTM keeps no backward workspace, and its
-oneDNN/cuDNN kernels have no forward-mode derivative: the GLM predictive's Jacobians failed there ("workspace").
+``predict`` runs under ``torch.no_grad``, where PyTorch's CPU (oneDNN) LSTM keeps no backward workspace, and the
+oneDNN/cuDNN LSTM kernels have no forward-mode derivative (cuDNN's no backward in eval mode either): the GLM
+predictive's Jacobians failed ("workspace"). Laplace now differentiates recurrent networks on PyTorch's own kernels
+(:mod:`bayeswrap.methods.laplace.kernels`), which are restored afterwards.
 Known answers, float32 as the kernels run: the probit predictive equals softmax(f / sqrt(1 + π/8 · diag(J Σ Jᵀ)))
 with J from ``torch.autograd.functional.jacobian`` (plain reverse mode, grad on, one example at a time) and Σ the
 inverse of ``posterior_precision()``; the linearised samples (``link_approx="mc"``) equal f + J (θ_s − θ*) for the
@@ -89,8 +91,8 @@ def test_lstm_linearised_samples_equal_f_plus_j_delta(data, structure):
     draws = bnn.sample(3, generator=torch.Generator().manual_seed(5))
     delta = torch.cat([(draws[n] - bnn.theta[n].detach()).flatten(1) for n in names], 1)  # (S, P)
     expected = f + torch.einsum("bkp,sp->sbk", jac, delta)
-    with pytest.warns(RuntimeWarning, match="forward-mode AD failed with PyTorch's oneDNN/cuDNN kernels"):
-        outs = bnn.sample_logits(x, 3, generator=torch.Generator().manual_seed(5), link_approx="mc")
+    outs = bnn.sample_logits(x, 3, generator=torch.Generator().manual_seed(5), link_approx="mc")
     torch.testing.assert_close(outs, expected, atol=2e-5, rtol=1e-4)
     probs = bnn.predict(x, num_samples=3, generator=torch.Generator().manual_seed(5), link_approx="mc")
     torch.testing.assert_close(probs, expected.softmax(-1).mean(0), atol=1e-5, rtol=1e-4)
+    assert torch.backends.mkldnn.enabled and torch.backends.cudnn.enabled  # switched back on

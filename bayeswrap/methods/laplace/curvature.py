@@ -623,9 +623,7 @@ def _module_grads(call: _Call, d: torch.Tensor, sl: slice, attrs) -> dict[str, t
         _, vjp_fn = vjp(fn, params)
         return vmap_over_examples(vjp_fn)(d1.unsqueeze(1))[0]
 
-    # grad mode on (predict runs under no_grad): kernels that pick their backward by it, such as the CPU (oneDNN)
-    # LSTM's, keep no workspace in a no-grad forward and then cannot run the vjp
-    with sdpa_kernel([SDPBackend.MATH]), torch.enable_grad():  # the fused attention kernels have no batching rule
+    with sdpa_kernel([SDPBackend.MATH]):  # the fused attention kernels have no batching rule
         grads = vmap_over_examples(one, in_dims=(0, 1))([leaves[i][sl] for i in batched], d)  # {attr: (c, m, ...)}
     return {a: grads[a].transpose(0, 1) for a in attrs}
 
@@ -644,8 +642,7 @@ def _network_grads(forward, theta, names, x, v, rows: int, acc) -> None:
     for start in range(0, batch, rows):
         sl = slice(start, min(start + rows, batch))
         xs = tree_map(lambda t: t[sl], x)
-        # grad mode on, as in _module_grads (an LSTM's vjp needs its forward's workspace)
-        with sdpa_kernel([SDPBackend.MATH]), torch.enable_grad():  # the fused attention kernels have no batching rule
+        with sdpa_kernel([SDPBackend.MATH]):  # the fused attention kernels have no batching rule
             g = vmap_over_examples(one, in_dims=(0, 1))(xs, v[:, sl].to(next(iter(params.values())).dtype))
         for n in names:
             acc.rows_of(n, g[n].transpose(0, 1), sl)

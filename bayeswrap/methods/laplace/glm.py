@@ -48,6 +48,7 @@ from bayeswrap.core.checks import check_choice
 from bayeswrap.core.functional import outside_inference_mode, vmap_over_examples
 from bayeswrap.core.likelihoods import at_least_float32
 from bayeswrap.methods.laplace.fitting import basis_vectors
+from bayeswrap.methods.laplace.kernels import has_recurrent, native_kernels
 from bayeswrap.methods.laplace.structures import FullPosterior
 from bayeswrap.methods.predictives import Predictive, refuse_options
 
@@ -71,10 +72,14 @@ class LinearisedPredictive:
 
     @contextlib.contextmanager
     def _evaluating(self):
+        """Eval mode inside (restored after), with PyTorch's own kernels for a recurrent network
+        (:mod:`bayeswrap.methods.laplace.kernels`).
+        """
         was_training = self.training
         self.eval()
         try:
-            yield
+            with native_kernels(has_recurrent(self.model)):
+                yield
         finally:
             self.train(was_training)
 
@@ -185,49 +190,33 @@ class LinearisedPredictive:
         self.likelihood.check_outputs(f)
 
         def lin(delta):
-            with _native_kernels(getattr(self, "_native_kernels", False)):
-                return jvp(lambda th: self.forward_with(th, x), (theta,), (delta,))[1]
-
-        def tangents_of(deltas, count):
-            tangents, vmap_error = None, None
-            if count > 1 and self._vmap_ok:
-                try:
-                    tangents = vmap(lin, randomness="different")(deltas)
-                except torch.OutOfMemoryError:
-                    raise
-                except Exception as err:  # maybe an op without a batching rule: decided below
-                    _raise_if_no_forward_ad(err)
-                    vmap_error = err
-            if tangents is None:
-                try:
-                    tangents = torch.stack([lin({n: d[i] for n, d in deltas.items()}) for i in range(count)])
-                except Exception as err:  # the model's own error (e.g. a mis-shaped input): vmap stays on
-                    _raise_if_no_forward_ad(err)
-                    raise
-                if vmap_error is not None:  # one at a time works, vmap does not: a genuine vmap limitation
-                    self._vmap_ok = False
-                    warnings.warn(f"vmap over linearised samples failed ({type(vmap_error).__name__}: "
-                                  f"{vmap_error}); this model's samples are evaluated one at a time from now on",
-                                  RuntimeWarning, stacklevel=6)
-            return tangents
+            return jvp(lambda th: self.forward_with(th, x), (theta,), (delta,))[1]
 
         outs = []
         with sdpa_kernel([SDPBackend.MATH]):
             for start in range(0, num_samples, self.chunk_size):
                 deltas = self._sample_deltas(min(self.chunk_size, num_samples - start), generator)
                 count = next(iter(deltas.values())).shape[0]
-                try:
-                    tangents = tangents_of(deltas, count)
-                except NotImplementedError as err:
-                    if getattr(self, "_native_kernels", False):
+                tangents, vmap_error = None, None
+                if count > 1 and self._vmap_ok:
+                    try:
+                        tangents = vmap(lin, randomness="different")(deltas)
+                    except torch.OutOfMemoryError:
                         raise
-                    # oneDNN's and cuDNN's recurrent kernels (nn.LSTM) have no forward-mode derivative; PyTorch's
-                    # own kernels do: the same draws again with those libraries off, for this model from now on
-                    self._native_kernels = True
-                    tangents = tangents_of(deltas, count)
-                    warnings.warn(f"forward-mode AD failed with PyTorch's oneDNN/cuDNN kernels ({err.__cause__}); "
-                                  "this model's linearised samples run with them off from now on (the same values, "
-                                  "slower)", RuntimeWarning, stacklevel=4)
+                    except Exception as err:  # maybe an op without a batching rule: decided below
+                        _raise_if_no_forward_ad(err)
+                        vmap_error = err
+                if tangents is None:
+                    try:
+                        tangents = torch.stack([lin({n: d[i] for n, d in deltas.items()}) for i in range(count)])
+                    except Exception as err:  # the model's own error (e.g. a mis-shaped input): vmap stays on
+                        _raise_if_no_forward_ad(err)
+                        raise
+                    if vmap_error is not None:  # one at a time works, vmap does not: a genuine vmap limitation
+                        self._vmap_ok = False
+                        warnings.warn(f"vmap over linearised samples failed ({type(vmap_error).__name__}: "
+                                      f"{vmap_error}); this model's samples are evaluated one at a time from now on",
+                                      RuntimeWarning, stacklevel=5)
                 outs.append(f + tangents)
         return torch.cat(outs, 0)
 
@@ -326,22 +315,6 @@ def _check_laplace(bnn) -> None:
         raise TypeError(f"predictive=GLM(...) is the linearised predictive of method 'laplace', not of method "
                         f"{getattr(bnn, 'method', type(bnn).__name__)!r}; accepted: a Laplace model (other methods: "
                         "Sampled() or PosteriorMean())")
-
-
-@contextlib.contextmanager
-def _native_kernels(on: bool):
-    """With ``on``, oneDNN (CPU) and cuDNN (GPU) are off inside (and restored after), so that PyTorch's own kernels,
-    which have forward-mode derivatives (e.g. ``nn.LSTM``'s), run instead; without, nothing changes.
-    """
-    if not on:
-        yield
-        return
-    before = torch.backends.mkldnn.enabled, torch.backends.cudnn.enabled
-    torch.backends.mkldnn.enabled = torch.backends.cudnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled, torch.backends.cudnn.enabled = before
 
 
 def _raise_if_no_forward_ad(err: Exception) -> None:
