@@ -166,10 +166,11 @@ class SWAG(MAP):
             ``"linear"`` (default; ``run_swag.py``'s: each group's lr for the first half of
             ``swa_start``, then linear to ``swa_lr`` at 0.9 · ``swa_start``, then ``swa_lr``) or
             ``"cosine"`` (a half cosine from each group's lr to ``swa_lr`` over ``swa_start``).
-        bn_update_batches: training batches per sample over which the BatchNorm running
-            statistics are recomputed (integer ≥ 0; default 10; 0 = off, predictions use
-            the statistics of the last training iterate). Ignored for networks without
-            BatchNorm. May be changed after training.
+        bn_update_batches: training batches over which the BatchNorm running statistics
+            are recomputed, for θ_SWA and for each draw that a Bayesian parameter feeds
+            (integer ≥ 0; default 10; 0 = off, predictions use the statistics of the last
+            training iterate). Ignored for networks without BatchNorm. May be changed after
+            training (a loaded model then needs :meth:`set_bn_update_loader`).
 
     Attributes:
         theta: the current SGD iterate (trainable).
