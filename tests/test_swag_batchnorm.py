@@ -145,6 +145,9 @@ def test_save_and_load_predict_without_the_training_data(tmp_path):
                                    bnn.predict(x, s, generator=torch.Generator().manual_seed(1)), rtol=0, atol=0)
     net, ref = loaded.to_deterministic(), bnn.to_deterministic()
     torch.testing.assert_close(net(x), ref(x), rtol=0, atol=0)
+    halved = copy.deepcopy(loaded).float()  # the saved statistics follow .to()/.float()
+    assert halved._bn_mean[1]["1.running_mean"].dtype == torch.float32
+    torch.testing.assert_close(halved.predict(x.float(), 0), bnn.predict(x, 0).float(), rtol=1e-4, atol=1e-5)
     loaded.bn_update_batches = UPDATE + 1  # other statistics are asked for: they need the batches
     with pytest.raises(bw.NotFittedError, match=r"running statistics for θ_SWA, but no training loader is known.*"
                                                 r"bnn\.set_bn_update_loader\(train_loader\)"):

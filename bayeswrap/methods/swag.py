@@ -768,6 +768,13 @@ class SWAG(MAP):
             return super()._deterministic_buffers()
         return {n: t.clone() for n, t in self._mean_statistics().items()}
 
+    def _apply(self, fn, *args, **kwargs):  # .to(), .double(), ...: the cached statistics follow the buffers
+        if self._bn_mean is not None:
+            self._bn_mean = (self._bn_mean[0], {n: fn(t) for n, t in self._bn_mean[1].items()})
+        if self._shared is not None:
+            self._shared.update(key=None, draws=[], statistics=[])
+        return super()._apply(fn, *args, **kwargs)
+
     # ------------------------------------------------------------------ checkpoints
     def get_extra_state(self):
         """The base class's, plus :attr:`bn_fed` and θ_SWA's recomputed BatchNorm statistics (with their key)."""
