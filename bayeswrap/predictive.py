@@ -7,6 +7,7 @@ loader and scores it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,14 @@ from bayeswrap.evaluation import calibration, regression
 if TYPE_CHECKING:  # a type only: any object with the BayesianModel.predict interface works
     from bayeswrap.methods.base import BayesianModel
     from bayeswrap.methods.predictives import Predictive
+
+
+def _shared_draws(bnn):
+    """The model's ``shared_draws()`` context where it has one (SWAG, ensembles: the draws of one evaluation and
+    their BatchNorm statistics made once for all its batches), else a null context.
+    """
+    scope = getattr(bnn, "shared_draws", None)
+    return scope() if callable(scope) else contextlib.nullcontext()
 
 
 def model_device(bnn: BayesianModel) -> torch.device:
@@ -66,16 +75,17 @@ def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generato
     device = model_device(bnn)
     chosen = {} if predictive is None else {"predictive": predictive}
     preds, targets = [], []
-    for index, batch in enumerate(loader):
-        x, y = batch_pair(batch, f"the loader's batch {index}", bnn.label_key)
-        x = to_device(x, device)
-        if bnn.is_ready() or not allow_point_estimate:
-            p = bnn.predict(x, num_samples=num_samples, generator=generator, **chosen)
-        else:
-            check_inputs_finite(x)
-            p = bnn._point_predictive(x)
-        preds.append(tuple(t.cpu() for t in p) if isinstance(p, tuple) else p.cpu())
-        targets.append(_targets_on_cpu(bnn, y))
+    with _shared_draws(bnn):
+        for index, batch in enumerate(loader):
+            x, y = batch_pair(batch, f"the loader's batch {index}", bnn.label_key)
+            x = to_device(x, device)
+            if bnn.is_ready() or not allow_point_estimate:
+                p = bnn.predict(x, num_samples=num_samples, generator=generator, **chosen)
+            else:
+                check_inputs_finite(x)
+                p = bnn._point_predictive(x)
+            preds.append(tuple(t.cpu() for t in p) if isinstance(p, tuple) else p.cpu())
+            targets.append(_targets_on_cpu(bnn, y))
     if not preds:
         raise ValueError("the loader yielded no batches")
     y = torch.cat(targets)
@@ -119,18 +129,19 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
     num_samples = check_int("num_samples", num_samples, minimum=0)
     device = model_device(bnn)
     probs, targets = [], []
-    for index, batch in enumerate(loader):
-        x, y = batch_pair(batch, f"the loader's batch {index}", bnn.label_key)
-        x = to_device(x, device)
-        if num_samples == 0:
-            bnn._check_ready()
-            check_inputs_finite(x)
-            outs = bnn._mean_outputs(x)
-        else:
-            outs = bnn.sample_logits(x, num_samples, generator=generator)
-        bnn.likelihood.check_outputs(outs[0])
-        probs.append(at_least_float32(outs).softmax(-1).cpu())
-        targets.append(_targets_on_cpu(bnn, y))
+    with _shared_draws(bnn):
+        for index, batch in enumerate(loader):
+            x, y = batch_pair(batch, f"the loader's batch {index}", bnn.label_key)
+            x = to_device(x, device)
+            if num_samples == 0:
+                bnn._check_ready()
+                check_inputs_finite(x)
+                outs = bnn._mean_outputs(x)
+            else:
+                outs = bnn.sample_logits(x, num_samples, generator=generator)
+            bnn.likelihood.check_outputs(outs[0])
+            probs.append(at_least_float32(outs).softmax(-1).cpu())
+            targets.append(_targets_on_cpu(bnn, y))
     if not probs:
         raise ValueError("the loader yielded no batches")
     return torch.cat(probs, 1), torch.cat(targets)

@@ -239,8 +239,10 @@ def test_bad_labels_are_the_members_error_not_a_fallback(digits):
     ({"member": "hmc"}, "member='hmc'"),
     ({"member": "ensemble"}, "member='ensemble'"),
     ({"member": "vi", "member_kwargs": {"p_drop": 0.1}}, "p_drop"),
-    ({"reinit": "head"}, "reinit='head'"),
-    ({"reinit": ["nothing*"]}, "matches no module"),
+    ({"reinit": "head"}, "reinit pattern 'head' matches no trainable parameter .*did you mean '\\*head\\*'"),
+    ({"reinit": 3}, "reinit=3 is not accepted; accepted: 'bayesian'"),
+    ({"reinit": []}, r"reinit=\[\] is not accepted"),
+    ({"reinit": ["nothing*"]}, "reinit pattern .nothing\\*. matches no trainable parameter"),
     ({"parallel": "threads"}, "parallel='threads'"),
     ({"init_seed": -1}, "init_seed"),
 ])

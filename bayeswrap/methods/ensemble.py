@@ -3,16 +3,24 @@
 An :class:`Ensemble` holds M complete Bayesian models of one registered method
 (the *members*), each built from its own copy of the wrapped model:
 
-* **Initialisation.** Member m re-initialises the modules chosen by ``reinit``
-  with each module's own ``reset_parameters()`` under the seed ``init_seed + m``.
-  ``reinit="all"`` (the default) is the from-scratch deep ensemble of
-  Lakshminarayanan et al. 2017 ("Simple and Scalable Predictive Uncertainty
-  Estimation using Deep Ensembles", NeurIPS, §2.4). For a pretrained model, pass
-  the new head's module names (e.g. ``reinit=["fc"]``; the command line does this
-  for pretrained backbones): the body starts from the pretrained weights in every
-  member and only the head differs, the usual recipe for fine-tuned ensembles.
-  With ``prior_mean="init"`` each member's prior is centred at its own initial
-  weights (the pretrained body is the prior mean of every member).
+* **Initialisation.** Member m re-draws the parameters chosen by ``reinit`` from
+  their initialisers under the seed ``init_seed + m`` (:mod:`bayeswrap.methods.reinit`);
+  every other weight keeps the wrapped model's value. The default ``reinit="bayesian"``
+  re-draws the Bayesian parameters that are trainable, and never a frozen
+  (``requires_grad=False``) or non-Bayesian one: the pretrained weights stay. With
+  ``params=None`` on a model trained from scratch that is every trainable parameter,
+  the deep ensemble of Lakshminarayanan et al. 2017 ("Simple and Scalable Predictive
+  Uncertainty Estimation using Deep Ensembles", NeurIPS, §2.4). With
+  ``params="last_layer"`` on a pretrained backbone it is the head: the body starts
+  from the pretrained weights in every member and only the head differs, the usual
+  recipe for fine-tuned ensembles (the command line passes the head for pretrained
+  backbones). For a peft LoRA model it is the adapters, re-drawn by peft's own
+  initialisation (random A, zero B), so every member starts at the pretrained function. Pass ``reinit`` explicitly for a
+  pretrained model whose every weight is Bayesian (``params=None``): the head's names,
+  or ``"none"``; and ``reinit="all"`` for a model trained from scratch whose Bayesian
+  parameters are only some (``params="last_layer"``), so that each member's body is
+  drawn afresh too. With ``prior_mean="init"`` each member's prior is centred at its own
+  initial weights (the pretrained body is the prior mean of every member).
 * **Training.** ``bw.fit`` trains all members at once. The loss is the *sum* of
   the members' losses (each member's gradient is exactly the one it would get
   alone), so every element-wise optimizer (SGD with momentum, AdamW, SGLD)
@@ -43,9 +51,9 @@ registered as ``"multiswag"``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-import fnmatch
 import math
 import warnings
 from collections.abc import Mapping
@@ -69,6 +77,7 @@ from bayeswrap.methods.base import (
 )
 from bayeswrap.methods.map import MAP
 from bayeswrap.methods.predictives import Mixture, Predictive, mixture
+from bayeswrap.methods.reinit import REINIT_ACCEPTED, check_reinit, reinit_parameters, reinitialise
 from bayeswrap.methods.swag import SWAG
 
 #: accepted values of ``parallel``
@@ -104,11 +113,11 @@ class Ensemble(BayesianModel):
             full-batch sampler (``"mh"``, ``"hmc"``), which ``bw.fit`` does not train.
         member_kwargs: the member method's own options, e.g. ``{"p_drop": 0.1}``
             for ``member="mc_dropout"`` (``None``: its defaults).
-        reinit: which modules start from a fresh initialisation in each member:
-            ``"all"`` (every module with ``reset_parameters``), ``"none"`` (every
-            member starts from the model's weights), or a list of glob patterns
-            over module names (e.g. ``["fc"]`` or ``["head.*"]`` for a pretrained
-            body with a new head).
+        reinit: which parameters each member re-draws from their initialisers (frozen parameters never are):
+            ``"bayesian"`` (default: the Bayesian trainable parameters), ``"all"`` (every trainable
+            parameter), ``"none"`` (every member starts from the model's weights), or a glob pattern or
+            list of them over parameter names or the names of the modules holding them, as for ``params``
+            (e.g. ``"fc.*"``, ``["fc"]``, ``["head.*"]``, ``"*lora_A*"``). See :mod:`bayeswrap.methods.reinit`.
         init_seed: member m initialises under ``torch.manual_seed(init_seed + m)`` (integer ≥ 0), or
             ``None`` (default): ``init_seed`` is drawn from torch's global generator, so
             ``torch.manual_seed`` (the command line's ``--seed``) reproduces the members.
@@ -117,12 +126,13 @@ class Ensemble(BayesianModel):
 
     Attributes:
         members: the M member models (an ``nn.ModuleList`` of the member method's class).
+        reinitialised: for each member, the names of the parameters it re-drew (``reinit``), in model order.
 
     Raises:
         ValueError: for ``num_members`` < 1, an unknown or unsupported ``member``,
             options the member method does not accept, a ``reinit`` that is not
-            ``"all"``, ``"none"`` or a list of patterns (or patterns that match no
-            module with ``reset_parameters``), or an unknown ``parallel``.
+            one of the forms above (or a pattern that matches no trainable parameter, or
+            chosen parameters none of which has an initialiser), or an unknown ``parallel``.
 
     Example:
         >>> bnn = bw.wrap(model, "ensemble", num_data=len(train_set), num_members=5)   # deep ensemble
@@ -138,14 +148,16 @@ class Ensemble(BayesianModel):
     @classmethod
     def run_options(cls, run) -> dict:
         """A fine-tuned ensemble (pretrained weights with a new head) gets a freshly initialised head per member:
-        ``reinit`` = the head's modules, unless the run gives ``reinit``.
+        ``reinit`` = the head's modules (whatever ``params`` is), unless the run gives ``reinit``. A model trained
+        from scratch takes the constructor's default (the Bayesian trainable parameters: every trainable one unless
+        ``params`` narrows them).
         """
         if run.pretrained and "reinit" not in run.options:
             return {"reinit": sorted({name.rsplit(".", 1)[0] for name in run.head})}
         return {}
 
     def __init__(self, model, *, num_members: int = 5, member: str | None = None, member_kwargs: dict | None = None,
-                 reinit: str | list[str] = "all", init_seed: int | None = None, parallel: str = "auto", **kwargs):
+                 reinit: str | list[str] = "bayesian", init_seed: int | None = None, parallel: str = "auto", **kwargs):
         member = self.default_member if member is None else member
         self.num_members = check_int("num_members", num_members, minimum=1, note="ensemble members")
         accepted = tuple(m for m, cls in METHODS.items() if not issubclass(cls, Ensemble) and m not in ("mh", "hmc"))
@@ -163,14 +175,7 @@ class Ensemble(BayesianModel):
             raise ValueError(f"member_kwargs {unknown} are not options of method {member!r}; accepted: "
                              f"{sorted(from_signature)} (the common options, e.g. prior_std, are given to the "
                              "ensemble itself and passed on to every member)")
-        if isinstance(reinit, str):
-            if reinit not in ("all", "none"):
-                raise ValueError(f"reinit={reinit!r} is not accepted; accepted: 'all', 'none', or a list of glob "
-                                 "patterns over module names (e.g. ['fc'])")
-        elif not (isinstance(reinit, (list, tuple)) and reinit and all(isinstance(p, str) for p in reinit)):
-            raise ValueError(f"reinit={reinit!r} is not accepted; accepted: 'all', 'none', or a non-empty list of "
-                             "glob patterns over module names (e.g. ['fc'])")
-        self.reinit = reinit if isinstance(reinit, str) else list(reinit)
+        self.reinit = check_reinit(reinit)
         if init_seed is None:
             init_seed = int(torch.randint(0, 2**31, ()))
         self.init_seed = check_int("init_seed", init_seed, minimum=0, note="member m initialises with init_seed + m")
@@ -191,9 +196,16 @@ class Ensemble(BayesianModel):
         model, common = self._build
         self._build = None  # no reference to the user's model is kept
         members = []
+        self.reinitialised: list[list[str]] = []  # the parameter names each member re-drew
         for m in range(self.num_members):
             net = copy.deepcopy(model)
-            _reinitialise(net, self.reinit, self.init_seed + m)
+            chosen = reinit_parameters(net, self.reinit, self.bayesian_names)
+            done = reinitialise(net, chosen, self.init_seed + m)
+            if chosen and not done and self.reinit != "bayesian":
+                raise ValueError(f"reinit={self.reinit!r} chooses parameters none of which has an initialiser (a "
+                                 f"reset_parameters() on its module or an ancestor), e.g. {chosen[:3]}; accepted: "
+                                 f"{REINIT_ACCEPTED}")
+            self.reinitialised.append(done)
             members.append(METHODS[self.member](net, **common, **self.member_kwargs))
             del net
         self.members = nn.ModuleList(members)
@@ -201,10 +213,10 @@ class Ensemble(BayesianModel):
         self.point = NamedTensors({}, trainable=True)
         self.frozen = NamedTensors({}, trainable=False)
         self.model_buffers = NamedTensors({}, trainable=False)
-        if self.num_members > 1 and self.reinit == "none" and type(members[0]) is MAP:
-            warnings.warn("reinit='none' with MAP members: every member starts from the same weights and sees the "
-                          "same batches, so all members stay identical; use reinit='all' or a list of head modules",
-                          RuntimeWarning, stacklevel=4)
+        if self.num_members > 1 and not any(self.reinitialised) and type(members[0]) is MAP:
+            warnings.warn(f"reinit={self.reinit!r} re-initialises nothing with MAP members: every member starts from "
+                          "the same weights and sees the same batches, so all members stay identical; use "
+                          "reinit='all' or the head's names (e.g. reinit='fc.*')", RuntimeWarning, stacklevel=4)
 
     def _prior_bias(self, bias: str) -> str:
         return METHODS[self.member]._prior_bias(self, bias)
@@ -400,6 +412,18 @@ class Ensemble(BayesianModel):
                  if s]
         return {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
 
+    @contextlib.contextmanager
+    def shared_draws(self):
+        """Every member's ``shared_draws()`` context, for those that have one (SWAG members: MultiSWAG), see
+        :meth:`bayeswrap.SWAG.shared_draws`.
+        """
+        with contextlib.ExitStack() as stack:
+            for member in self.members:
+                scope = getattr(member, "shared_draws", None)
+                if callable(scope):
+                    stack.enter_context(scope())
+            yield self
+
     def default_predictive(self, model: str = "full", **options) -> Predictive:
         """The mixture of the members' predictives, :class:`~bayeswrap.methods.predictives.Mixture`
         (1/S) Σ_m S_m p̂_m(y|x) (see the module docstring); ``predict(x, 0)`` averages the members'
@@ -476,23 +500,3 @@ class MultiSWAG(Ensemble):
         implied = SWAG.run_options(dataclasses.replace(run, options=given))
         return {**out, "member_kwargs": {**given, **implied}} if implied else out
 
-
-def _reinitialise(net: nn.Module, reinit: str | list[str], seed: int) -> None:
-    """Calls ``reset_parameters()`` (and BatchNorm's ``reset_running_stats``) of the chosen modules under ``seed``.
-
-    Raises:
-        ValueError: if the patterns match no module that has ``reset_parameters``.
-    """
-    if reinit == "none":
-        return
-    resettable = [(n, mod) for n, mod in net.named_modules() if callable(getattr(mod, "reset_parameters", None))]
-    chosen = resettable if reinit == "all" else [(n, mod) for n, mod in resettable
-                                                   if any(fnmatch.fnmatchcase(n, p) for p in reinit)]
-    if not chosen:
-        raise ValueError(f"reinit={reinit!r} matches no module with reset_parameters(); accepted: 'all', 'none', or "
-                         f"patterns over these module names: {[n for n, _ in resettable][-8:]}")
-    devices = sorted({t.device for t in net.parameters() if t.device.type != "cpu"}, key=str)
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        for _, mod in chosen:
-            mod.reset_parameters()

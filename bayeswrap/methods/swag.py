@@ -32,15 +32,28 @@ deviations, or ``covariance="diagonal"`` (SWAG-Diag, §3.2), only the diagonal p
 is used: Σ = scale · Σ_diag.
 
 **BatchNorm** (§4, the paper's ``bn_update``): the running statistics of a network
-with BatchNorm layers belong to the weights they were computed with. For every
-sampled θ̃ (and for θ_SWA, ``predict(num_samples=0)``) they are recomputed from
-scratch by a train-mode pass over the first ``bn_update_batches`` batches of the
-training loader: a cumulative average over batches, as torch's ``momentum=None``
-(and ``torch.optim.swa_utils.update_bn``) computes it. The pass is a functional
-call with a fresh copy of the buffers: neither the wrapped model nor the stored
-statistics are written. The loader is the one :func:`bayeswrap.fit` passes to
-:meth:`SWAG.after_fit`; it is not saved in checkpoints, so a BatchNorm model
-loaded from one needs :meth:`SWAG.set_bn_update_loader` before it predicts (it
+with BatchNorm layers belong to the weights they were computed with. They are
+recomputed from scratch by a train-mode pass over the first ``bn_update_batches``
+batches of the training loader: a cumulative average over batches, as torch's
+``momentum=None`` (and ``torch.optim.swa_utils.update_bn``) computes it. The pass is a
+functional call with a fresh copy of the buffers: neither the wrapped model nor the
+stored statistics are written. What is recomputed, and how often:
+
+* for θ_SWA (``predict(num_samples=0)``, ``to_deterministic()``): once, when ``bayeswrap.fit``
+  ends (:meth:`SWAG.after_fit`), kept while the posterior does not change;
+* for a sampled θ̃: only where a Bayesian parameter feeds a BatchNorm layer
+  (:attr:`SWAG.bn_fed`, traced once by autograd, :mod:`bayeswrap.methods.bn_dependence`).
+  Otherwise (e.g. ``params="last_layer"`` on a convolutional network) every draw has
+  θ_SWA's statistics, computed once; where one does, each draw gets its own, and inside :meth:`SWAG.shared_draws` (which
+  :func:`bayeswrap.predict_loader` enters) the S draws and their statistics are made
+  once and reused for every batch of the evaluation, the paper's protocol (each sample
+  updated once and then evaluated on the whole test set).
+
+θ_SWA's statistics and the traced dependence are saved with the model
+(``state_dict()``'s extra state, so ``bw.save``/``bw.load`` keep them): a loaded model
+predicts at θ_SWA, and samples when no Bayesian parameter feeds a BatchNorm layer,
+without the training data. The loader is not saved; a loaded model whose draws need
+their own statistics needs :meth:`SWAG.set_bn_update_loader` before it samples (it
 raises :class:`~bayeswrap.NotFittedError` otherwise, never silently using the
 statistics of the last training iterate).
 
@@ -81,6 +94,7 @@ with a learning-rate ``scheduler`` or warm-up keeps that schedule (it implies
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Mapping
@@ -94,6 +108,7 @@ from bayeswrap.core.functional import NamedTensors, call
 from bayeswrap.core.samples import RingStore, welford_update_, welford_variance
 from bayeswrap.core.schedules import restore_param_groups
 from bayeswrap.methods.base import NotFittedError, register_method
+from bayeswrap.methods.bn_dependence import batchnorm_fed_by
 from bayeswrap.methods.map import MAP
 from bayeswrap.methods.predictives import Predictive, Sampled
 
@@ -151,10 +166,11 @@ class SWAG(MAP):
             ``"linear"`` (default; ``run_swag.py``'s: each group's lr for the first half of
             ``swa_start``, then linear to ``swa_lr`` at 0.9 · ``swa_start``, then ``swa_lr``) or
             ``"cosine"`` (a half cosine from each group's lr to ``swa_lr`` over ``swa_start``).
-        bn_update_batches: training batches per sample over which the BatchNorm running
-            statistics are recomputed (integer ≥ 0; default 10; 0 = off, predictions use
-            the statistics of the last training iterate). Ignored for networks without
-            BatchNorm. May be changed after training.
+        bn_update_batches: training batches over which the BatchNorm running statistics
+            are recomputed, for θ_SWA and for each draw that a Bayesian parameter feeds
+            (integer ≥ 0; default 10; 0 = off, predictions use the statistics of the last
+            training iterate). Ignored for networks without BatchNorm. May be changed after
+            training (a loaded model then needs :meth:`set_bn_update_loader`).
 
     Attributes:
         theta: the current SGD iterate (trainable).
@@ -162,6 +178,8 @@ class SWAG(MAP):
         deviations: the :class:`~bayeswrap.core.samples.RingStore` of the last K deviations
             (``None`` with ``covariance="diagonal"``).
         num_steps, num_collected: step and collection counters (0-d int64 buffers).
+        bn_fed: the BatchNorm layers that a Bayesian parameter feeds (their statistics are recomputed per draw),
+            ``None`` until traced (at the end of ``bayeswrap.fit`` or at the first prediction).
 
     Raises:
         ValueError: on an invalid option; the message names the value and lists the accepted ones.
@@ -220,6 +238,9 @@ class SWAG(MAP):
         self._optimizer: torch.optim.Optimizer | None = None  # driven by swa_lr and swa_schedule during a fit
         self._bn_loader = None  # training batches for the BatchNorm update (after_fit); never serialised
         self._fitting = False  # between before_fit and after_fit
+        self.bn_fed: list[str] | None = None  # BatchNorm layers a Bayesian parameter feeds (traced once)
+        self._bn_mean: tuple | None = None  # (key, buffers): the statistics recomputed for θ_SWA (saved)
+        self._shared: dict | None = None  # inside shared_draws(): the draws and their statistics
         super().__init__(model, **kwargs)
         self._bn_layers = [name for name, m in self.model.named_modules()
                            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
@@ -415,6 +436,14 @@ class SWAG(MAP):
             self._optimizer = None
         self._fitting = False
         self._bn_loader = train_loader
+        if self._bn_update_active() and self.is_ready():  # θ_SWA's statistics, saved with the model
+            with torch.no_grad():
+                self._mean_statistics()
+            if self.bn_fed is None:
+                for batch in train_loader:
+                    x, _ = batch_pair(batch, "the BatchNorm update loader (batch 0)", self.label_key)
+                    self._trace_bn(to_device(x, self._device()))
+                    break
 
     def set_bn_update_loader(self, loader) -> None:
         """Sets the training batches of the BatchNorm update (needed after loading a checkpoint).
@@ -422,7 +451,8 @@ class SWAG(MAP):
         Args:
             loader: an iterable of ``(inputs, targets)`` pairs from the training data (e.g.
                 the training ``DataLoader``); its first ``bn_update_batches`` batches are
-                used for each sample. Not saved in ``state_dict()``.
+                used for each recomputation (θ_SWA's statistics are recomputed from them too).
+                Not saved in ``state_dict()``.
 
         Raises:
             ValueError: if ``loader`` is not iterable.
@@ -431,12 +461,19 @@ class SWAG(MAP):
             raise ValueError(f"loader={loader!r} is not accepted; accepted: an iterable of (inputs, targets) "
                              "training batches, e.g. a torch DataLoader")
         self._bn_loader = loader
+        self._bn_mean = None  # recomputed from these batches
 
     # ------------------------------------------------------------------ posterior
     def is_ready(self) -> bool:
         return int(self.num_collected) > 0
 
     def _not_ready_message(self):
+        if int(self.num_steps) == 0:
+            return ("no SWAG iterate has been collected: this model has counted no optimizer step. SWAG collects "
+                    "its iterates in bnn.after_step(), which bayeswrap.fit calls after every step, as does "
+                    "bayeswrap.lightning's BayesianCallback (BayesianModule adds it); a hand-written loop must call "
+                    "bnn.before_fit(num_steps, optimizer, steps_per_epoch) once and bnn.after_step() after every "
+                    "optimizer.step(), and bnn.after_fit(train_loader) at the end")
         start = repr(self.swa_start) + (f" (= {self._auto_swa_start} steps)" if self._auto_swa_start is not None
                                         and not isinstance(self.swa_start, int) else "")
         return (f"no SWAG iterate has been collected yet ({int(self.num_steps)} steps taken, swa_start={start}, "
@@ -578,49 +615,186 @@ class SWAG(MAP):
 
     def _bn_update_loader(self):
         if self._bn_loader is None:
+            fed = (f"a Bayesian parameter feeds BatchNorm layers {self.bn_fed[:3]}, so each sampled θ needs its own "
+                   "running statistics" if self.bn_fed else
+                   f"the BatchNorm layers' ({self._bn_layers[:3]}) running statistics for θ_SWA")
             raise NotFittedError(
-                f"this SWAG model's network has BatchNorm layers ({self._bn_layers[:3]}), whose running statistics "
-                "are recomputed for each sampled θ from training batches (Maddox et al. 2019, §4), but no training "
-                "loader is known (the model was loaded from a checkpoint, or trained without bayeswrap.fit's "
-                "after_fit); call bnn.set_bn_update_loader(train_loader) first, or set bnn.bn_update_batches = 0 "
-                "to predict with the statistics of the last training iterate")
+                f"this SWAG model needs BatchNorm statistics recomputed from training batches (Maddox et al. 2019, "
+                f"§4): {fed}, but no training loader is known (the model was loaded from a file or checkpoint, or "
+                "trained without bayeswrap.fit's after_fit, or bn_update_batches was changed since); call "
+                "bnn.set_bn_update_loader(train_loader) first, or set bnn.bn_update_batches = 0 to predict with "
+                "the statistics of the last training iterate")
         return self._bn_loader
 
+    def _device(self) -> torch.device:
+        return next(iter(self.moment_mean.values())).device
+
+    def _bn_key(self) -> tuple[int, int, int]:
+        """What θ_SWA's statistics depend on besides the loader: (steps, collections, bn_update_batches)."""
+        return int(self.num_steps), int(self.num_collected), self.bn_update_batches
+
+    def _mean_statistics(self) -> dict[str, torch.Tensor]:
+        """The buffers with BatchNorm statistics recomputed for θ_SWA (:meth:`bn_statistics`), computed once
+        while the posterior and ``bn_update_batches`` stay as they are.
+
+        Raises:
+            NotFittedError: as :meth:`bn_statistics`, when they must be recomputed and no loader is known.
+        """
+        if self._bn_mean is None or self._bn_mean[0] != self._bn_key():
+            self._bn_mean = (self._bn_key(), self.bn_statistics(self.posterior_mean()))
+        return self._bn_mean[1]
+
+    def _trace_bn(self, x) -> list[str]:
+        """:attr:`bn_fed`, traced on input ``x`` the first time (see :mod:`bayeswrap.methods.bn_dependence`)."""
+        if self.bn_fed is None:
+            tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **self.theta.as_dict()}
+            self.bn_fed = batchnorm_fed_by(self.model, tensors, self.model_buffers.as_dict(),
+                                           without_key(x, self.label_key), self.bayesian_names, self._bn_layers,
+                                           self.output_key)
+        return self.bn_fed
+
     def _forward_bn(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
-        """Outputs under ``theta`` with BatchNorm statistics recomputed for it."""
+        """Outputs under one draw ``theta`` with BatchNorm statistics recomputed for it (Maddox et al. 2019, §4)."""
         tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
         return call(self.model, tensors, self.bn_statistics(theta), without_key(x, self.label_key), self.output_key)
 
+    def _forward_mean_statistics(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
+        """Outputs under ``theta`` with θ_SWA's recomputed statistics (those of every draw when no Bayesian
+        parameter feeds a BatchNorm layer).
+        """
+        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
+        return call(self.model, tensors, self._mean_statistics(), without_key(x, self.label_key), self.output_key)
+
+    @contextlib.contextmanager
+    def shared_draws(self):
+        """A context in which the S draws of a prediction are reused by every later prediction with at most S
+        draws, with their BatchNorm statistics, where a Bayesian parameter feeds a BatchNorm layer.
+
+        :func:`bayeswrap.predict_loader` and :func:`bayeswrap.sample_probs_loader` enter it, so that an
+        evaluation over many batches recomputes each draw's statistics once (Maddox et al.'s protocol: each
+        sample is updated once and evaluated on the whole test set); the draws come from the ``generator`` of
+        the first prediction. Where no Bayesian parameter feeds a BatchNorm layer, or without BatchNorm, it
+        changes nothing (each prediction draws afresh). Nested uses share the outer one's draws.
+
+        Example:
+            >>> with bnn.shared_draws():
+            ...     probs = [bnn.predict(x, num_samples=30) for x, _ in test_loader]
+        """
+        if self._shared is not None:
+            yield self
+            return
+        self._shared = {"key": None, "draws": [], "statistics": []}
+        try:
+            yield self
+        finally:
+            self._shared = None
+
+    def _shared_predictive(self) -> Sampled:
+        """The :class:`Sampled` predictive of one prediction inside :meth:`shared_draws`."""
+        shared = self._shared
+        key = (self._bn_key(), self.scale, self.rank())
+        if shared["key"] != key:  # the posterior changed inside the context: draw afresh
+            shared.update(key=key, draws=[], statistics=[])
+        position = {"drawn": 0, "evaluated": 0}
+
+        def draw(bnn, count, generator):
+            start = position["drawn"]
+            position["drawn"] += count
+            if bnn.bn_fed is not None and not bnn.bn_fed:
+                return SWAG._draw(bnn, count, generator)
+            missing = start + count - len(shared["draws"])
+            if missing > 0:
+                new = SWAG._draw(bnn, missing, generator)
+                shared["draws"].extend({n: t[i] for n, t in new.items()} for i in range(missing))
+                shared["statistics"].extend([None] * missing)
+            chosen = shared["draws"][start:start + count]
+            return {n: torch.stack([d[n] for d in chosen]) for n in chosen[0]}
+
+        def forward(bnn, theta, x):
+            index = position["evaluated"]
+            position["evaluated"] += 1
+            if not bnn._trace_bn(x):
+                return bnn._forward_mean_statistics(theta, x)
+            if shared["statistics"][index] is None:
+                shared["statistics"][index] = bnn.bn_statistics(theta)
+            tensors = {**bnn.point.as_dict(), **bnn.frozen.as_dict(), **theta}
+            return call(bnn.model, tensors, shared["statistics"][index], without_key(x, bnn.label_key),
+                        bnn.output_key)
+
+        return Sampled(draw=draw, forward=forward)
+
     def default_predictive(self, model: str = "full", **options) -> Predictive:
-        """:class:`Sampled`; with BatchNorm (``bn_update_batches`` > 0, outside a fit) each draw is evaluated under
-        its own recomputed statistics (``Sampled(forward=...)``, one draw after another; Maddox et al. 2019, §4).
+        """:class:`Sampled`; with BatchNorm (``bn_update_batches`` > 0, outside a fit): where a Bayesian parameter
+        feeds a BatchNorm layer each draw is evaluated under its own recomputed statistics (one draw after another;
+        Maddox et al. 2019, §4; inside :meth:`shared_draws` made once per draw), else all draws under θ_SWA's.
 
         Raises:
             ValueError: on a ``model`` other than ``"full"``.
             TypeError: on any other option.
         """
         default = super().default_predictive(model=model, **options)
-        return Sampled(forward=SWAG._forward_bn) if self._bn_update_active() else default
+        if not self._bn_update_active():
+            return default
+        if self._shared is not None:
+            return self._shared_predictive()
+        return Sampled(forward=SWAG._forward_draw)
+
+    def _forward_draw(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
+        """One draw's outputs: under its own recomputed statistics where a Bayesian parameter feeds a BatchNorm
+        layer, else under θ_SWA's.
+        """
+        if self._trace_bn(x):
+            return self._forward_bn(theta, x)
+        return self._forward_mean_statistics(theta, x)
 
     def _mean_outputs(self, x) -> torch.Tensor:
         """Outputs at θ_SWA, (1, B, ·); with BatchNorm (``bn_update_batches`` > 0, outside a fit) under its own
-        recomputed statistics (the paper's ``bn_update`` for the SWA solution).
+        recomputed statistics (the paper's ``bn_update`` for the SWA solution; computed once, see
+        :meth:`_mean_statistics`).
 
         Raises:
-            NotFittedError: if the network has BatchNorm and no update loader is known
-                (call :meth:`set_bn_update_loader`).
+            NotFittedError: if the network has BatchNorm, the statistics must be recomputed and no update loader
+                is known (call :meth:`set_bn_update_loader`).
         """
         if not self._bn_update_active():
             return super()._mean_outputs(x)
-        return self._forward_bn(self.posterior_mean(), x).unsqueeze(0)
+        return self._forward_mean_statistics(self.posterior_mean(), x).unsqueeze(0)
 
     def _deterministic_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers of :meth:`to_deterministic`: with BatchNorm (as in :meth:`_mean_outputs`), the statistics
-        recomputed for θ_SWA (:meth:`bn_statistics`).
+        recomputed for θ_SWA.
         """
         if not self._bn_update_active():
             return super()._deterministic_buffers()
-        return self.bn_statistics(self.posterior_mean())
+        return {n: t.clone() for n, t in self._mean_statistics().items()}
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .double(), ...: the cached statistics follow the buffers
+        if self._bn_mean is not None:
+            self._bn_mean = (self._bn_mean[0], {n: fn(t) for n, t in self._bn_mean[1].items()})
+        if self._shared is not None:
+            self._shared.update(key=None, draws=[], statistics=[])
+        return super()._apply(fn, *args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def get_extra_state(self):
+        """The base class's, plus :attr:`bn_fed` and θ_SWA's recomputed BatchNorm statistics (with their key)."""
+        state = super().get_extra_state()
+        if self._bn_layers:
+            mean = None if self._bn_mean is None else {"key": list(self._bn_mean[0]), "buffers": self._bn_mean[1]}
+            state["batchnorm"] = {"fed": self.bn_fed, "mean_statistics": mean}
+        return state
+
+    def set_extra_state(self, state):
+        super().set_extra_state(state)
+        saved = state.get("batchnorm") or {}
+        self.bn_fed = None if saved.get("fed") is None else list(saved["fed"])
+        mean = saved.get("mean_statistics")
+        if mean is None:
+            self._bn_mean = None
+        else:
+            ours = self.model_buffers.as_dict()
+            self._bn_mean = (tuple(int(k) for k in mean["key"]),
+                             {n: t.to(ours[n].device) if n in ours else t for n, t in mean["buffers"].items()})
 
 
 def _check_collect_every(value):

@@ -45,6 +45,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -59,6 +60,7 @@ from bayeswrap.core.distributed import all_reduce_sum_
 from bayeswrap.core.functional import nonfinite_names, outside_inference_mode, vmap_over_examples
 from bayeswrap.core.likelihoods import at_least_float32
 from bayeswrap.methods.laplace.curvature import LayerCurvature
+from bayeswrap.methods.laplace.kernels import has_recurrent, native_kernels
 from bayeswrap.methods.laplace.structures import FullPosterior, LinearCapture, delta_of, network_jacobian
 
 if TYPE_CHECKING:
@@ -239,6 +241,8 @@ class CurvatureFitting:
         if structure is not None:
             structure.fitted.fill_(False)
             structure.reset()
+        kernels = contextlib.ExitStack()
+        kernels.enter_context(native_kernels(has_recurrent(self.model)))  # cuDNN's RNN: no backward in eval mode
         try:
             for index, batch in enumerate(train_loader):
                 x, y = loader_pair(batch, f"fit_curvature's loader batch {index}", self.label_key, device,
@@ -277,6 +281,7 @@ class CurvatureFitting:
                              *([] if structure is None else [t for t in structure.buffers() if t.is_floating_point()])])
             seen = int(round(float(count)))
         finally:
+            kernels.close()
             self.train(was_training)
         if seen == 0:
             raise ValueError("fit_curvature got an empty loader; it needs at least one (inputs, targets) batch")

@@ -48,6 +48,7 @@ from bayeswrap.core.checks import check_choice
 from bayeswrap.core.functional import outside_inference_mode, vmap_over_examples
 from bayeswrap.core.likelihoods import at_least_float32
 from bayeswrap.methods.laplace.fitting import basis_vectors
+from bayeswrap.methods.laplace.kernels import has_recurrent, native_kernels
 from bayeswrap.methods.laplace.structures import FullPosterior
 from bayeswrap.methods.predictives import Predictive, refuse_options
 
@@ -71,10 +72,14 @@ class LinearisedPredictive:
 
     @contextlib.contextmanager
     def _evaluating(self):
+        """Eval mode inside (restored after), with PyTorch's own kernels for a recurrent network
+        (:mod:`bayeswrap.methods.laplace.kernels`).
+        """
         was_training = self.training
         self.eval()
         try:
-            yield
+            with native_kernels(has_recurrent(self.model)):
+                yield
         finally:
             self.train(was_training)
 
