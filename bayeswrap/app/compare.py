@@ -3,8 +3,11 @@
 :func:`run_compare` resolves one config per method, tunes each method's knob and prior std
 (:func:`~bayeswrap.evaluation.tuning.tune_with_prior`, every candidate trained by :func:`tuning_score`), runs each
 method with :func:`bayeswrap.app.runner.run_fit` in its own run folder inside the comparison folder, and writes
-``comparison.md``/``.csv`` (:mod:`bayeswrap.app.reports`) and the comparison figures. Which option a method tunes,
-and on which grid, is its class's ``tuning``; what a method's run implies is its class's ``run_options``.
+``comparison.md`` (the compact table, with its notes), ``comparison_full.md``/``.csv`` (every column;
+:mod:`bayeswrap.app.reports`) and the comparison figures. Which option a method tunes, and on which grid, is its
+class's ``tuning``; what a method's run implies is its class's ``run_options``. While it works it shows method k of
+n, the tuning candidate and an overall ETA, and sums up each method's warnings in one line per warning site
+(:mod:`bayeswrap.app.progress`).
 """
 
 from __future__ import annotations
@@ -71,7 +74,17 @@ def compare_methods() -> tuple[str, ...]:
 def run_compare(config_path: str | None, overrides: dict, methods: list[str],
                 sample_counts: list[int], tune_options: bool = True, *, resume: str | None = None,
                 ) -> tuple[Path, list[dict]]:
-    """Every method on the same data and split; writes comparison.md/.csv and the comparison figures.
+    """Every method on the same data and split; writes the tables and the comparison figures.
+
+    Tables: ``comparison.md``, the compact table (:func:`~bayeswrap.app.reports.markdown_table`: a row per method
+    and operating point, S = 0 only where it differs, notes on chance-level predictives and temperatures at
+    their bound, also written to stderr), ``comparison_full.md`` and ``comparison.csv`` (every row and column).
+
+    Progress (stderr, :class:`~bayeswrap.app.progress.CompareProgress`): a line as each method starts (``vi 2/9``)
+    and after its tuning; with ``progress`` on a terminal, one bar over every fit of the comparison (tuning
+    candidates and final runs) naming the candidate being trained, with the comparison's ETA, and each final run's
+    own bar; elsewhere a line per later tuning stage and final run, with the fit count and ETA. The warnings raised
+    while a method is tuned and run are shown once it ends, one line per warning site with its count.
 
     Figures (in the comparison folder, all at the last S of ``sample_counts``):
     ``reliability.png`` (one panel per method, with bin counts), ``shift.png``
