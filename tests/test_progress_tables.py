@@ -270,3 +270,14 @@ def test_fit_keeps_one_bar_with_the_last_epochs_metrics(capsys):
         _fit("yes", epochs=1)
     assert epoch_summary({"train_nll": 0.5, "val_nll": 0.25, "val_rmse": 1.5}) == \
         "train nll 0.5 | val nll 0.25 rmse 1.5"
+
+
+def test_a_note_shared_by_rows_is_one_footnote():
+    """Two VI rows (S = 0 and 5 differ in NLL) with the same chance-level note: one footnote naming both."""
+    final = {"0": _report(error=0.9, nll=1.0), "5": _report(error=0.9, nll=1.1)}  # the NLL is not in the note
+    rows = reports.comparison_rows({"vi": {"history": [], "final": final}}, "map")
+    table = reports.markdown_table(rows)
+    assert [line.split("|")[-2].strip() for line in table.splitlines()[2:4]] == ["[1]", "[1]"]
+    assert " ".join(table.split()).count("[1] vi (S = 0), vi (S = 5): chance level: test error 0.900 >= 0.870") == 1
+    assert "[2]" not in table
+    assert reports.row_warnings(rows) == [f"vi (S = 0, 5): {rows[0]['note']}"]

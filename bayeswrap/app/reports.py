@@ -240,7 +240,7 @@ def report_notes(report: dict) -> list[str]:
         reasons = []
         if t1["error"] >= limit:
             reasons.append(f"test error {t1['error']:.3f} >= {limit:.3f} (guessing among K = {k} classes errs "
-                           f"1 - 1/K = {guess:.3f}, less {CHANCE_Z:g} standard errors at n = {n})")
+                           f"1-1/K = {guess:.3f}, less {CHANCE_Z:g} standard errors at n = {n})")
         if t1["nll"] >= (1.0 - CHANCE_NLL_FRACTION) * uniform:
             reasons.append(f"NLL {t1['nll']:.3f} >= {1.0 - CHANCE_NLL_FRACTION:g} log K = "
                            f"{(1.0 - CHANCE_NLL_FRACTION) * uniform:.3f} (the uniform predictive's NLL is "
@@ -329,21 +329,24 @@ def markdown_table(rows: list[dict], *, full: bool = False, baseline: str = "map
     (MAP's S = 0 and S = 5: the same network) is left out, and the row kept lists both S (``0, 5``). The
     predictive is named without its brackets (``GLM probit`` for ``GLM(link='probit')``), the scores with 3 decimals,
     the cost (2 decimals) as a multiple of ``baseline``'s. Under it: a legend, the tuned options of each row, and the
-    rows' notes (:func:`report_notes`) as numbered footnotes, their numbers in the ``note`` column.
+    rows' notes (:func:`report_notes`) as numbered footnotes, one per distinct note naming the rows it is about, their
+    numbers in the ``note`` column.
     Both tables take the rows of :func:`comparison_rows`.
     """
     if full:
         lines = ["| " + " | ".join(COMPARE_COLUMNS) + " |", "|" + "---|" * len(COMPARE_COLUMNS)]
         lines += ["| " + " | ".join(_cell(r.get(c)) for c in COMPARE_COLUMNS) + " |" for r in rows]
         return "\n".join(lines) + "\n"
-    footnotes: dict[str, int] = {}
+    footnotes: dict[str, list[str]] = {}  # note -> the rows it is about; numbered in order of appearance
     shown = []
     for row in compact_rows(rows):
         cells = {key: _cell(row.get(key), digits=2 if key == "cost" else 3) for _, key in SUMMARY_COLUMNS}
         cells["num_samples"] = ", ".join(str(s) for s in row["num_samples"])
         cells["predictive"] = short_predictive(row.get("predictive"))
-        numbers = [footnotes.setdefault(f"{row['method']} (S = {cells['num_samples']}): {note}", len(footnotes) + 1)
-                   for note in filter(None, (row.get("note") or "").split("; "))]
+        numbers = []
+        for note in filter(None, (row.get("note") or "").split("; ")):
+            footnotes.setdefault(note, []).append(f"{row['method']} (S = {cells['num_samples']})")
+            numbers.append(list(footnotes).index(note) + 1)
         cells["note"] = f"[{', '.join(map(str, numbers))}]" if numbers else ""
         shown.append([cells[key] for _, key in SUMMARY_COLUMNS])
     headers = [h for h, _ in SUMMARY_COLUMNS]
@@ -364,8 +367,9 @@ def markdown_table(rows: list[dict], *, full: bool = False, baseline: str = "map
     if tuned:
         text += textwrap.wrap(f"Tuned by validation NLL: {tuned}.", TABLE_WIDTH)
     if footnotes:
-        text += [""] + [wrapped for note, number in footnotes.items()
-                        for wrapped in textwrap.wrap(f"[{number}] {note}.", TABLE_WIDTH, subsequent_indent="    ")]
+        text += [""] + [wrapped for number, (note, about) in enumerate(footnotes.items(), 1)
+                        for wrapped in textwrap.wrap(f"[{number}] {', '.join(about)}: {note}.", TABLE_WIDTH,
+                                                     subsequent_indent="    ")]
     return "\n".join(lines + text) + "\n"
 
 
@@ -408,12 +412,15 @@ def short_predictive(name: str | None) -> str:
 
 
 def row_warnings(rows: list[dict]) -> list[str]:
-    """The rows' notes as terminal lines, one per method and note: ``"vi (S = 0, 5): chance level: ..."``."""
-    seen: dict[tuple[str, str], list[int]] = {}
+    """The rows' notes as terminal lines, one per distinct note with the rows it is about:
+    ``"map (S = 0, 5), vi (S = 5): chance level: ..."``.
+    """
+    seen: dict[str, dict[str, list[int]]] = {}
     for row in rows:
         for note in filter(None, (row.get("note") or "").split("; ")):
-            seen.setdefault((row["method"], note), []).append(row["num_samples"])
-    return [f"{method} (S = {', '.join(map(str, s))}): {note}" for (method, note), s in seen.items()]
+            seen.setdefault(note, {}).setdefault(row["method"], []).append(row["num_samples"])
+    return [", ".join(f"{method} (S = {', '.join(map(str, s))})" for method, s in about.items()) + f": {note}"
+            for note, about in seen.items()]
 
 
 def _cell(value, digits: int = 4) -> str:
