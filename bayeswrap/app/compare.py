@@ -225,9 +225,9 @@ def planned_fits(method: str, cfg: RunConfig, tune_options: bool, methods, *, re
     an ensemble that inherits its member method's tuning. A grid extension adds fits as tuning goes
     (:class:`~bayeswrap.app.progress.CompareProgress`).
     """
-    weight = int(cfg.option("num_members")) if member_method(cfg) is not None else 1
-    knob = knob_of(method) if tune_options else None
     member = member_method(cfg)
+    weight = int(cfg.option("num_members")) if member is not None else 1
+    knob = knob_of(method) if tune_options else None
     if knob is None or resumed_tuning or (member is not None and member in methods):
         return 0, weight
     if knob == POST_HOC:
