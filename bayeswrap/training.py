@@ -8,7 +8,7 @@ import functools
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from tqdm import tqdm
@@ -26,7 +26,7 @@ from bayeswrap.predictive import evaluate, model_device
 def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim.Optimizer, val_loader=None,
         scheduler=None, early_stopping_patience: int | None = None, val_num_samples: int = 0,
         autocast_dtype: torch.dtype | None = None, grad_clip_norm: float | None = None, start_epoch: int = 0,
-        on_epoch_end: Callable[[int, dict], None] | None = None, progress: bool = True,
+        on_epoch_end: Callable[[int, dict], None] | None = None, progress: bool | Mapping = True,
         finalize: bool = True, kl_schedule: Callable[[int], float] | None = None,
         grad_scaler: torch.amp.GradScaler | None = None) -> list[dict]:
     """Trains any :class:`BayesianModel`: the same loop for MAP, VI, MC-dropout, SGLD and Laplace.
@@ -104,7 +104,13 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         grad_clip_norm: ``None`` (no clipping) or the max gradient norm, a finite number > 0.
         start_epoch: first epoch index (for resuming), an integer in [0, epochs).
         on_epoch_end: ``None`` or a callback ``(epoch, record)`` after each epoch (e.g. checkpointing).
-        progress: show a tqdm progress bar (only when stderr is a terminal).
+        progress: show a tqdm progress bar (only when stderr is a terminal): one bar for the whole fit, over
+            every step of every epoch (its ETA is the fit's), described ``epoch k/epochs``, with the running
+            training loss and, after each epoch, that epoch's training and validation NLL and error (or RMSE)
+            in its postfix; it stays on the terminal when the fit ends. A mapping also shows it, with these
+            ``tqdm`` keyword arguments applied over the defaults (e.g. ``{"leave": False}`` to clear it at the
+            end, ``{"desc": "vi"}``: a prefix of ``epoch k/epochs``, ``{"disable": False}`` to draw it on a
+            stream that is not a terminal). False shows nothing.
         finalize: call ``bnn.after_fit(train_loader)`` at the end (Laplace fits
             its curvature). Pass False to finalise later, e.g. on a reloaded
             best checkpoint.
@@ -169,6 +175,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):
         raise ValueError(f"scheduler={scheduler!r} has no step() method; accepted: None or a torch.optim.lr_scheduler")
     check_optimizer(bnn, optimizer)
+    bar_options = _progress_options(progress)
     try:
         num_steps = (epochs - start_epoch) * len(train_loader)
     except TypeError:  # an iterable without a length
@@ -194,110 +201,161 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
     trainable_params = [p for _, p in trainable]
     history: list[dict] = []
     best_nll, best_state, bad_epochs, updates = math.inf, None, 0, 0
-    for epoch in range(start_epoch, epochs):
-        bnn.train()
-        tic = time.perf_counter()
-        totals = {"loss": 0.0, "nll": 0.0, "kl": 0.0, "errors": 0.0, "n": 0}
-        skipped = 0
-        kl_factor = 1.0 if kl_schedule is None else check_factor(kl_schedule(epoch), "kl_schedule")
-        _set_epoch(train_loader, epoch)
-        bar = tqdm(train_loader, desc=f"epoch {epoch + 1}/{epochs}",
-                   disable=None if progress and distributed.is_main_process() else True,
-                   leave=False)  # None: tqdm's own check, off when stderr is not a terminal
-        for step, batch in enumerate(bar):
-            x, y = loader_pair(batch, f"train_loader batch {step} of epoch {epoch + 1}", bnn.label_key, device,
-                               classification)
-            optimizer.zero_grad(set_to_none=True)
-            with autocast():
-                out = step_loss(bnn, x, y, kl_factor)
-            loss_value = out.loss.item()
-            finite = math.isfinite(loss_value)
-            if not finite and not parallel:
-                message = diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, updates)
-                if best_state is not None:
-                    bnn.load_state_dict(best_state)
-                raise FloatingPointError(message)
-            (out.loss if scaler is None else scaler.scale(out.loss)).backward()
-            if parallel:  # the global batch's gradient; a non-finite loss anywhere stops every rank
-                _, all_finite = distributed.all_reduce_gradients_(trainable_params, batch_size(x),
-                                                                    loss_finite=finite)
-                if not all_finite:
-                    message = diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, updates) if not finite else (
-                        f"non-finite loss on another rank at epoch {epoch + 1}, step {step + 1} (this rank's "
-                        f"loss was {loss_value}); that rank's error names the cause")
+    prefix = f"{bar_options['desc']} " if bar_options and bar_options.get("desc") else ""
+    bar = _progress_bar(bar_options, num_steps, f"{prefix}epoch {start_epoch + 1}/{epochs}")
+    shown = ""  # the last finished epoch's metrics, shown after the running loss
+    with bar:  # closed (and left on the terminal) also when training raises
+        for epoch in range(start_epoch, epochs):
+            bnn.train()
+            tic = time.perf_counter()
+            totals = {"loss": 0.0, "nll": 0.0, "kl": 0.0, "errors": 0.0, "n": 0}
+            skipped = 0
+            kl_factor = 1.0 if kl_schedule is None else check_factor(kl_schedule(epoch), "kl_schedule")
+            _set_epoch(train_loader, epoch)
+            bar.set_description(f"{prefix}epoch {epoch + 1}/{epochs}", refresh=False)
+            for step, batch in enumerate(train_loader):
+                x, y = loader_pair(batch, f"train_loader batch {step} of epoch {epoch + 1}", bnn.label_key, device,
+                                   classification)
+                optimizer.zero_grad(set_to_none=True)
+                with autocast():
+                    out = step_loss(bnn, x, y, kl_factor)
+                loss_value = out.loss.item()
+                finite = math.isfinite(loss_value)
+                if not finite and not parallel:
+                    message = diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, updates)
                     if best_state is not None:
                         bnn.load_state_dict(best_state)
                     raise FloatingPointError(message)
-            if scaler is not None:
-                scaler.unscale_(optimizer)  # clip (and step) the true gradients
-            if grad_clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(bnn.parameters(), grad_clip_norm)
-            if scaler is None:
-                optimizer.step()
-            else:
-                scale = scaler.get_scale()
-                scaler.step(optimizer)  # skips optimizer.step() if a gradient is inf or NaN
-                scaler.update()
-                if scaler.get_scale() < scale:  # the step was skipped: no update, nothing to record
-                    skipped += 1
-                    optimizer.zero_grad(set_to_none=True)
-                    _add_totals(totals, out, loss_value, y, classification, host_totals)
-                    continue
-            updates += 1
-            bnn.after_step()
-            _add_totals(totals, out, loss_value, y, classification, host_totals)
-            bar.set_postfix(loss=totals["loss"] / totals["n"])
-        totals = _totals_as_floats(totals)
-        if parallel:  # global means over every rank's examples
-            sums = distributed.all_reduce_numbers([totals[k] for k in ("loss", "nll", "kl", "errors", "n")])
-            totals = dict(zip(("loss", "nll", "kl", "errors", "n"), sums))
-            totals["n"] = int(round(totals["n"]))
-            distributed.average_(bnn.model_buffers.values())  # e.g. BatchNorm statistics of each rank's shards
-        if totals["n"] == 0:
-            raise ValueError("train_loader yielded no batches")
-        bad = nonfinite_names(trainable)  # one reduction per tensor, one sync: catches a NaN from the last step
-        if bad:
-            if best_state is not None:
-                bnn.load_state_dict(best_state)
-            raise FloatingPointError(
-                f"parameter {parameter_label(bad[0])} contains NaN or inf after epoch {epoch + 1} (the last of its "
-                f"{updates} updates in this fit diverged although every loss was finite); lower the learning "
-                "rate, set grad_clip_norm, or check the optimizer's hyper-parameters"
-                + ("; the best validation state was restored" if best_state is not None else ""))
-        lr = optimizer.param_groups[0]["lr"]  # the learning rate this epoch trained with
-        if scheduler is not None:
-            scheduler.step()
-        record = {"epoch": epoch + 1, "train_loss": totals["loss"] / totals["n"],
-                  "train_nll": totals["nll"] / totals["n"], "train_kl": totals["kl"] / totals["n"],
-                  "lr": lr, "seconds": time.perf_counter() - tic, "kl_factor": kl_factor}
-        if classification:
-            record["train_error"] = totals["errors"] / totals["n"]
-        if scaler is not None:
-            record["skipped_steps"] = skipped
-            record["grad_scale"] = scaler.get_scale()
-        if val_loader is not None:
-            bnn.eval()
-            with rng_preserved(device):  # validation draws nothing from the training's random stream
-                scores = evaluate(bnn, val_loader, val_num_samples, allow_point_estimate=True)
-            scores = distributed.broadcast_object(scores)  # rank 0's: the same early-stopping decision everywhere
-            record.update({f"val_{k}": v for k, v in scores.items()})
-            if early_stopping_patience is not None:
-                if scores["nll"] < best_nll:
-                    best_nll, bad_epochs = scores["nll"], 0
-                    best_state = copy.deepcopy(bnn.state_dict())
+                (out.loss if scaler is None else scaler.scale(out.loss)).backward()
+                if parallel:  # the global batch's gradient; a non-finite loss anywhere stops every rank
+                    _, all_finite = distributed.all_reduce_gradients_(trainable_params, batch_size(x),
+                                                                        loss_finite=finite)
+                    if not all_finite:
+                        message = diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, updates) if not finite else (
+                            f"non-finite loss on another rank at epoch {epoch + 1}, step {step + 1} (this rank's "
+                            f"loss was {loss_value}); that rank's error names the cause")
+                        if best_state is not None:
+                            bnn.load_state_dict(best_state)
+                        raise FloatingPointError(message)
+                if scaler is not None:
+                    scaler.unscale_(optimizer)  # clip (and step) the true gradients
+                if grad_clip_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(bnn.parameters(), grad_clip_norm)
+                if scaler is None:
+                    optimizer.step()
                 else:
-                    bad_epochs += 1
-        history.append(record)
-        if on_epoch_end is not None:
-            on_epoch_end(epoch, record)
-        if early_stopping_patience is not None and bad_epochs > early_stopping_patience:
-            break
+                    scale = scaler.get_scale()
+                    scaler.step(optimizer)  # skips optimizer.step() if a gradient is inf or NaN
+                    scaler.update()
+                    if scaler.get_scale() < scale:  # the step was skipped: no update, nothing to record
+                        skipped += 1
+                        optimizer.zero_grad(set_to_none=True)
+                        _add_totals(totals, out, loss_value, y, classification, host_totals)
+                        bar.update()
+                        continue
+                updates += 1
+                bnn.after_step()
+                _add_totals(totals, out, loss_value, y, classification, host_totals)
+                if not bar.disable:
+                    bar.set_postfix_str(f"loss {totals['loss'] / totals['n']:.3g}{shown}", refresh=False)
+                    bar.update()
+            totals = _totals_as_floats(totals)
+            if parallel:  # global means over every rank's examples
+                sums = distributed.all_reduce_numbers([totals[k] for k in ("loss", "nll", "kl", "errors", "n")])
+                totals = dict(zip(("loss", "nll", "kl", "errors", "n"), sums))
+                totals["n"] = int(round(totals["n"]))
+                distributed.average_(bnn.model_buffers.values())  # e.g. BatchNorm statistics of each rank's shards
+            if totals["n"] == 0:
+                raise ValueError("train_loader yielded no batches")
+            bad = nonfinite_names(trainable)  # one reduction per tensor, one sync: catches a NaN from the last step
+            if bad:
+                if best_state is not None:
+                    bnn.load_state_dict(best_state)
+                raise FloatingPointError(
+                    f"parameter {parameter_label(bad[0])} contains NaN or inf after epoch {epoch + 1} (the last of its "
+                    f"{updates} updates in this fit diverged although every loss was finite); lower the learning "
+                    "rate, set grad_clip_norm, or check the optimizer's hyper-parameters"
+                    + ("; the best validation state was restored" if best_state is not None else ""))
+            lr = optimizer.param_groups[0]["lr"]  # the learning rate this epoch trained with
+            if scheduler is not None:
+                scheduler.step()
+            record = {"epoch": epoch + 1, "train_loss": totals["loss"] / totals["n"],
+                      "train_nll": totals["nll"] / totals["n"], "train_kl": totals["kl"] / totals["n"],
+                      "lr": lr, "seconds": time.perf_counter() - tic, "kl_factor": kl_factor}
+            if classification:
+                record["train_error"] = totals["errors"] / totals["n"]
+            if scaler is not None:
+                record["skipped_steps"] = skipped
+                record["grad_scale"] = scaler.get_scale()
+            if val_loader is not None:
+                bnn.eval()
+                with rng_preserved(device):  # validation draws nothing from the training's random stream
+                    scores = evaluate(bnn, val_loader, val_num_samples, allow_point_estimate=True)
+                scores = distributed.broadcast_object(scores)  # rank 0's: the same early-stopping decision everywhere
+                record.update({f"val_{k}": v for k, v in scores.items()})
+                if early_stopping_patience is not None:
+                    if scores["nll"] < best_nll:
+                        best_nll, bad_epochs = scores["nll"], 0
+                        best_state = copy.deepcopy(bnn.state_dict())
+                    else:
+                        bad_epochs += 1
+            history.append(record)
+            shown = " | " + epoch_summary(record)
+            bar.set_postfix_str(epoch_summary(record))  # the bar's final state shows the last epoch's
+            if on_epoch_end is not None:
+                on_epoch_end(epoch, record)
+            if early_stopping_patience is not None and bad_epochs > early_stopping_patience:
+                bar.set_description(f"{prefix}epoch {epoch + 1}/{epochs}, stopped early", refresh=False)
+                break
     if best_state is not None:
         bnn.load_state_dict(best_state)
     if finalize:
         bnn.after_fit(train_loader)
     bnn.eval()
     return history
+
+
+def _progress_options(progress) -> dict | None:
+    """``fit``'s ``progress`` as tqdm keyword arguments (None: no bar), or a ValueError naming it."""
+    if isinstance(progress, bool):
+        return {} if progress else None
+    if isinstance(progress, Mapping) and all(isinstance(k, str) for k in progress):
+        return dict(progress)
+    raise ValueError(f"progress={progress!r} is not accepted; accepted: True, False, or a mapping of tqdm keyword "
+                     "arguments (e.g. {'leave': False})")
+
+
+#: the fit bar's layout with a known number of steps: no rate, so that the epoch's metrics fit on 120 columns
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
+
+
+def _progress_bar(options: dict | None, num_steps: int | None, desc: str) -> tqdm:
+    """The fit's bar: off for ``options=None`` and on data-parallel ranks other than 0; else tqdm's own check
+    (``disable=None``: off when stderr is not a terminal) unless ``options`` say otherwise.
+    """
+    if options is None or not distributed.is_main_process():
+        return tqdm(disable=True)
+    defaults = {"total": num_steps, "disable": None, "leave": True, "unit": "step", "dynamic_ncols": True,
+                "desc": desc}
+    if num_steps is not None:
+        defaults["bar_format"] = BAR_FORMAT
+    return tqdm(**{**defaults, **{k: v for k, v in options.items() if k != "desc"}})
+
+
+def epoch_summary(record: dict) -> str:
+    """One epoch of a fit's history in a few words, e.g. ``"train nll 0.312 err 0.0941 | val nll 0.351 err 0.102"``.
+
+    The training and validation NLL and error (or RMSE, for regression) that the record holds, 3 significant
+    digits; the progress bar's postfix.
+    """
+    parts = []
+    for split in ("train", "val"):
+        values = [f"{name} {record[f'{split}_{key}']:.3g}" for key, name in (("nll", "nll"), ("error", "err"),
+                                                                              ("rmse", "rmse"))
+                  if isinstance(record.get(f"{split}_{key}"), (int, float))]
+        if values:
+            parts.append(f"{split} " + " ".join(values))
+    return " | ".join(parts)
 
 
 @contextlib.contextmanager

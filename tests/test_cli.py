@@ -34,9 +34,11 @@ def test_compare_writes_table_and_evaluate_recomputes_it(tmp_path):
     seconds = {m: sum(h["seconds"] for h in json.loads((base / m / "metrics.json").read_text())["history"])
                for m in DEFAULT_COMPARISON}
     assert cost == pytest.approx({m: seconds[m.split(" ")[0]] / seconds["map"] for m in cost}, rel=1e-3)
-    assert (base / "comparison.md").read_text().startswith(
+    assert (base / "comparison_full.md").read_text().startswith(  # every column; comparison.md is the compact one
         "| method | tuned | cost | num_samples | predictive | error | ece | nll | ece_Topt | nll_Topt | temperature | "
         "shift_error | shift_ece | shift_nll | shift_ece_Topt | shift_nll_Topt | ood_auroc_entropy | ood_auroc_mi |")
+    assert [c.strip() for c in (base / "comparison.md").read_text().splitlines()[0].split("|")[1:-1]] == [
+        header for header, _ in reports.SUMMARY_COLUMNS]
     # each row names the predictive it was scored with: Laplace's own, the closed-form probit GLM
     # (S = 0 is the posterior mean for each, an ensemble's the mixture of its members' means)
     named = {(r["method"], r["num_samples"]): r["predictive"] for r in rows}
@@ -133,7 +135,7 @@ def test_compare_tunes_each_method_by_validation_nll(tmp_path, capsys):
         label = "laplace (val)" if method == "laplace" else method
         row = next(r for r in csv.DictReader(open(base / "comparison.csv")) if r["method"] == label)
         assert row["tuned"] == ", ".join(f"{k}={v:g}" for k, v in tuning["options"].items()) != ""
-        assert f"| {label} | {row['tuned']} |" in printed
+        assert f"{label} {row['tuned']}" in " ".join(printed.split())  # the compact table's "Tuned by" lines
     assert list(records["vi"]["options"]) == ["prior_std", "kl_weight"]
     assert list(records["laplace"]["options"]) == ["prior_std", "prior_precision"]
     # the final runs used the chosen values; retraining VI at them reproduces its validation NLL

@@ -51,7 +51,8 @@ def _rows(base) -> dict:
 
 
 def _row_numbers(row: dict) -> dict:
-    return {k: float(v) for k, v in row.items() if k not in ("method", "tuned", "cost", "predictive") and v != ""}
+    return {k: float(v) for k, v in row.items() if k not in ("method", "tuned", "cost", "predictive", "note")
+            and v != ""}
 
 
 @pytest.fixture(scope="module")

@@ -287,5 +287,6 @@ def test_compare_writes_coverage_and_set_size(tmp_path):
     row = next(csv.DictReader(open(base / "comparison.csv")))
     assert float(row["coverage"]) == pytest.approx(report["coverage"], rel=1e-12)
     assert float(row["set_size"]) == pytest.approx(report["mean_set_size"], rel=1e-12)
-    assert (base / "comparison.md").read_text().splitlines()[0].endswith("| ood_auroc_mi | coverage | set_size |")
+    assert (base / "comparison_full.md").read_text().splitlines()[0].endswith(
+        "| ood_auroc_mi | coverage | set_size | note |")
     assert cli.evaluate_run(base / "map", 0)["conformal"] == report  # evaluate recomputes the same sets

@@ -182,9 +182,11 @@ def test_comparison_rows_show_the_predictive():
     old = {"history": [], "final": {"3": {"T1": {"error": 0.1, "ece": 0.02, "nll": 0.3}}}}
     rows = reports.comparison_rows({"laplace": metrics, "map": old}, "map")
     assert [r["predictive"] for r in rows] == ["GLM(link='probit')", None]
-    table = reports.markdown_table(rows)
+    table = reports.markdown_table(rows, full=True)  # every column: comparison_full.md
     assert table.startswith("| method | tuned | cost | num_samples | predictive | error |")
     assert "| laplace |  |  | 3 | GLM(link='probit') | 0.1000 |" in table
+    compact = reports.markdown_table(rows)  # comparison.md and the terminal: the predictive without its brackets
+    assert "| laplace | 3 | GLM probit | 0.100 |" in compact
 
 
 def test_protocol_takes_a_predictive_beside_its_samples():

@@ -3,8 +3,11 @@
 :func:`run_compare` resolves one config per method, tunes each method's knob and prior std
 (:func:`~bayeswrap.evaluation.tuning.tune_with_prior`, every candidate trained by :func:`tuning_score`), runs each
 method with :func:`bayeswrap.app.runner.run_fit` in its own run folder inside the comparison folder, and writes
-``comparison.md``/``.csv`` (:mod:`bayeswrap.app.reports`) and the comparison figures. Which option a method tunes,
-and on which grid, is its class's ``tuning``; what a method's run implies is its class's ``run_options``.
+``comparison.md`` (the compact table, with its notes), ``comparison_full.md``/``.csv`` (every column;
+:mod:`bayeswrap.app.reports`) and the comparison figures. Which option a method tunes, and on which grid, is its
+class's ``tuning``; what a method's run implies is its class's ``run_options``. While it works it shows method k of
+n, the tuning candidate and an overall ETA, and sums up each method's warnings in one line per warning site
+(:mod:`bayeswrap.app.progress`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import functools
 import json
 import logging
 import math
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,11 +38,13 @@ from bayeswrap.app.config import (
     resolve_values,
 )
 from bayeswrap.app.options import option_users
+from bayeswrap.app.progress import SILENT, CompareProgress, counted_warnings, warning_summary
 from bayeswrap.app.reports import (
     comparison_rows,
     csv_table,
     markdown_table,
     operating_points,
+    row_warnings,
     tuned_options,
     write_uncertainty_plots,
 )
@@ -69,7 +75,17 @@ def compare_methods() -> tuple[str, ...]:
 def run_compare(config_path: str | None, overrides: dict, methods: list[str],
                 sample_counts: list[int], tune_options: bool = True, *, resume: str | None = None,
                 ) -> tuple[Path, list[dict]]:
-    """Every method on the same data and split; writes comparison.md/.csv and the comparison figures.
+    """Every method on the same data and split; writes the tables and the comparison figures.
+
+    Tables: ``comparison.md``, the compact table (:func:`~bayeswrap.app.reports.markdown_table`: a row per method
+    and operating point, S = 0 only where it differs, notes on chance-level predictives and temperatures at
+    their bound, also written to stderr), ``comparison_full.md`` and ``comparison.csv`` (every row and column).
+
+    Progress (stderr, :class:`~bayeswrap.app.progress.CompareProgress`): a line as each method starts (``vi 2/9``)
+    and after its tuning; with ``progress`` on a terminal, one bar over every fit of the comparison (tuning
+    candidates and final runs) naming the candidate being trained, with the comparison's ETA, and each final run's
+    own bar; elsewhere a line per later tuning stage and final run, with the fit count and ETA. The warnings raised
+    while a method is tuned and run are shown once it ends, one line per warning site with its count.
 
     Figures (in the comparison folder, all at the last S of ``sample_counts``):
     ``reliability.png`` (one panel per method, with bin counts), ``shift.png``
@@ -163,16 +179,31 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
         # the reference first (the others inherit its σ); ensembles after their members (they inherit the
         # member's options)
         members = {m: member_method(configs[m]) for m in methods}
-        for method in sorted(methods, key=lambda m: (m != PRIOR_SOURCE, members[m] is not None)):
-            member = members[method]
-            results[method] = _compare_one(base, method, configs[method], sample_counts, tune_options,
-                                           resume is not None, changes, command, prior_std=inherited,
-                                           member_tuning=results.get(member, {}).get("tuning") if member else None)
-            if method == PRIOR_SOURCE and tune_options:
-                inherited = tuned_options(results[method]).get("prior_std")
-        results = {m: results[m] for m in methods}
-        rows = comparison_rows(results, PRIOR_SOURCE)
+        order = sorted(methods, key=lambda m: (m != PRIOR_SOURCE, members[m] is not None))
+        finished = tuple(m for m in order if resume is not None and (base / m / "metrics.json").is_file())
+        plan = {m: planned_fits(m, configs[m], tune_options, methods, resumed_tuning=resume is not None and (
+            base / f"tuning_{m}.json").is_file()) for m in order}
+        with CompareProgress(plan, done=finished, bar=None if cfg.progress else False) as progress:
+            for method in order:
+                member = members[method]
+                with counted_warnings() as caught:
+                    try:
+                        results[method] = _compare_one(
+                            base, method, configs[method], sample_counts, tune_options, resume is not None, changes,
+                            command, prior_std=inherited, progress=progress,
+                            member_tuning=results.get(member, {}).get("tuning") if member else None)
+                    finally:  # also when interrupted: what the method warned so far
+                        for line in warning_summary(caught):
+                            progress.say(f"warning: {line}")
+                progress.end_method()
+                if method == PRIOR_SOURCE and tune_options:
+                    inherited = tuned_options(results[method]).get("prior_std")
+            results = {m: results[m] for m in methods}
+            rows = comparison_rows(results, PRIOR_SOURCE)
+            for line in row_warnings(rows):
+                progress.write(f"compare: warning: {line}")
         write_text(base / "comparison.md", markdown_table(rows))
+        write_text(base / "comparison_full.md", markdown_table(rows, full=True))
         write_text(base / "comparison.csv", csv_table(rows))
         # one panel and one curve per row of the table: each operating point of a posterior (laplace (val),
         # laplace (marglik)) is drawn on its own
@@ -186,6 +217,28 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
         raise RunInterrupted(base, command) from None
     finally:
         lock.release()
+
+
+def planned_fits(method: str, cfg: RunConfig, tune_options: bool, methods, *, resumed_tuning: bool = False,
+                 ) -> tuple[int, int]:
+    """``(tuning fits, final fits)`` a comparison expects ``method`` to train, for its progress bar and ETA.
+
+    A fit is one network trained (an ensemble's run counts its ``num_members``). Tuning: the knob's grid, then
+    σ/3 and 3σ (σ's score is reused) for a knob other than the prior std; the prior std at σ/3, σ and 3σ for a
+    post hoc knob; nothing for ``--no-tune``, a method without a knob, a tuning record read back on resume, or
+    an ensemble that inherits its member method's tuning. A grid extension adds fits as tuning goes
+    (:class:`~bayeswrap.app.progress.CompareProgress`).
+    """
+    member = member_method(cfg)
+    weight = int(cfg.option("num_members")) if member is not None else 1
+    knob = knob_of(method) if tune_options else None
+    if knob is None or resumed_tuning or (member is not None and member in methods):
+        return 0, weight
+    if knob == POST_HOC:
+        return 3 * weight, weight
+    grid = len(tuning_option(method)[1])
+    with_prior = knob != "prior_std" and (cfg.prior_std is not None or PRIOR_SOURCE in methods)
+    return (grid + 2 * with_prior) * weight, weight
 
 
 def member_method(cfg: RunConfig) -> str | None:
@@ -214,7 +267,7 @@ def _inherit_member_tuning(cfg: RunConfig, member: str, member_tuning: dict) -> 
 
 def _compare_one(base: Path, method: str, cfg: RunConfig, sample_counts, tune_options: bool, resume: bool,
                  changes: dict, command: str, *, prior_std: float | None = None,
-                 member_tuning: dict | None = None) -> dict:
+                 member_tuning: dict | None = None, progress: CompareProgress | None = None) -> dict:
     """One method of a comparison: reuse a finished run, continue an interrupted one, or tune and run it.
 
     Tuning (``tune_options``, methods with a knob) follows
@@ -233,60 +286,125 @@ def _compare_one(base: Path, method: str, cfg: RunConfig, sample_counts, tune_op
     run is trained with; for a knob that tempers the whole posterior (the class's ``knob_tempers_posterior``) the
     stages search (σ, knob), each stage lists what each point was ``"trained"`` with (prior_std σ·sqrt(knob)),
     and ``"reference_prior_std"`` is the chosen σ.
+
+    ``progress`` (None: nothing shown) hears of the method's start, each tuning candidate, and the final run.
     """
+    progress = progress or SILENT
     run_dir = base / method
     run_cfg = replace(cfg, out_dir=str(base), run_name=method, overwrite=False)
     if resume and (run_dir / "metrics.json").is_file():
-        log.warning("compare: %s is finished; keeping %s", method, run_dir / "metrics.json")
+        progress.start_method(method, f"finished; keeping {run_dir / 'metrics.json'}")
         return json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
     tuning_path = base / f"tuning_{method}.json"
     tuning = None
     knob = knob_of(method) if tune_options else None
     member = member_method(cfg)
+    weight = int(cfg.option("num_members")) if member is not None else 1
     if tune_options and member is not None and member_tuning:  # an ensemble: its member method's tuned options
         run_cfg, tuning = _inherit_member_tuning(run_cfg, member, member_tuning)
-        resume_run = resume and runs.is_run_folder(run_dir)
-        return run_fit(run_cfg.validate(), sample_counts, tuning, resume=resume_run, changes=changes or None,
-                       resume_command=command)[1]
+        progress.start_method(method, f"{weight} {member} members with {member}'s tuned options "
+                                      f"({', '.join(f'{k}={v:g}' for k, v in tuning['options'].items())})")
+        return _final_run(run_cfg, sample_counts, tuning, resume and runs.is_run_folder(run_dir), changes, command,
+                          progress, weight)
     if knob is not None and resume and tuning_path.is_file():
         tuning = read_tuning_file(tuning_path, method)
+        progress.start_method(method, f"tuned options read back from {tuning_path}")
     elif knob is not None:
-        tuning = _tune_one(run_cfg, method, knob, sample_counts[-1], prior_std)
+        tuning = _tune_one(run_cfg, method, knob, sample_counts[-1], prior_std, progress=progress, weight=weight)
         write_json(tuning_path, tuning)
+    else:
+        progress.start_method(method, "configured options" + (" (--no-tune)" if not tune_options else
+                                                             " (no tuned option)"))
     if tuning is not None:
         run_cfg = run_cfg.with_options(**tuning["options"])
-    resume_run = resume and runs.is_run_folder(run_dir)
     post_hoc = functools.partial(tune_post_hoc, cfg=run_cfg, num_samples=sample_counts[-1]) \
         if knob_of(method) == POST_HOC else None
-    return run_fit(run_cfg.validate(), sample_counts, tuning, resume=resume_run, changes=changes or None,
-                   resume_command=command, post_hoc=post_hoc)[1]
+    return _final_run(run_cfg, sample_counts, tuning, resume and runs.is_run_folder(run_dir), changes, command,
+                      progress, weight, post_hoc=post_hoc)
 
 
-def _tune_one(run_cfg: RunConfig, method: str, knob: str, num_samples: int, prior_std: float | None) -> dict:
-    """The tuning record of one method (see :func:`_compare_one`): each candidate trained by :func:`tuning_score`."""
+def _final_run(run_cfg: RunConfig, sample_counts, tuning, resume_run: bool, changes: dict, command: str,
+               progress: CompareProgress, weight: int, post_hoc=None) -> dict:
+    """A method's final run (:func:`run_fit`), counted as ``weight`` fits."""
+    progress.final_run()
+    metrics = run_fit(run_cfg.validate(), sample_counts, tuning, resume=resume_run, changes=changes or None,
+                      resume_command=command, post_hoc=post_hoc)[1]
+    progress.fit_done(weight)
+    return metrics
+
+
+def _tune_one(run_cfg: RunConfig, method: str, knob: str, num_samples: int, prior_std: float | None, *,
+              progress: CompareProgress | None = None, weight: int = 1) -> dict:
+    """The tuning record of one method (see :func:`_compare_one`): each candidate trained by :func:`tuning_score`.
+
+    ``progress`` hears of the method's start and of each candidate (counted as ``weight`` fits).
+    """
+    progress = progress or SILENT
     source = "config" if prior_std is None or knob == "prior_std" else PRIOR_SOURCE
     start = run_cfg.prior_std if source == "config" else prior_std
     scored_knob = None if knob == POST_HOC else knob  # a post hoc knob is tuned inside each candidate's score
     grid = tuning_option(method)[1] if scored_knob else ()
     tempered = bool(scored_knob not in (None, "prior_std") and start is not None
                     and METHODS[method].knob_tempers_posterior)  # candidates at prior_std = σ·sqrt(knob)
+    values = ", ".join(f"{v:g}" for v in grid)
     if knob == "prior_std":
-        log.warning("compare: tuning %s by validation NLL: prior_std over %s", method, list(grid))
+        progress.start_method(method, f"tuning prior_std by validation NLL over {values}")
+    elif scored_knob is None:
+        progress.start_method(method, f"tuning prior_std by validation NLL around {source}'s {start:g} (and "
+                                      f"{knob} post hoc on each candidate)")
     else:
-        log.warning("compare: tuning %s by validation NLL: %s over %s, then prior_std around %s's %g%s", method,
-                    scored_knob or "(post hoc knob only)", list(grid), source, start,
-                    f" (each candidate at prior_std = σ·sqrt({scored_knob}))" if tempered else "")
+        progress.start_method(method, f"tuning {scored_knob} by validation NLL over {values}, then prior_std around "
+                                      f"{source}'s {start:g}"
+                                      + (f" (each candidate at prior_std = σ·sqrt({scored_knob}))" if tempered else ""))
 
     def score(options: dict) -> float:
-        return tuning_score(run_cfg.with_options(**options).validate(), num_samples)
+        try:
+            return tuning_score(run_cfg.with_options(**options).validate(), num_samples)
+        finally:
+            progress.fit_done(weight, tuning=True)
 
     record = tune_with_prior(score, knob=scored_knob, grid=grid,
                              bounds=tuning_bounds(method, scored_knob) if scored_knob else (0.0, math.inf),
-                             prior_std=start, prior_bounds=tuning_bounds(method, "prior_std"), tempered=tempered)
+                             prior_std=start, prior_bounds=tuning_bounds(method, "prior_std"), tempered=tempered,
+                             on_score=progress.candidate)
     for stage in record["stages"]:
-        if stage["bound_hit"] is not None:
-            log.warning("compare: %s's %s not bracketed: %s", method, stage["option"], stage["bound_hit"])
+        text = bracket_text(stage)
+        if text:
+            progress.say(text)
+    chosen = ", ".join(f"{k}={v:g}" for k, v in record["options"].items())
+    progress.say(f"chose {chosen} (validation NLL {record['val_nll']:.4f})")
     return {**record, "prior_std_from": source}
+
+
+def bracket_text(stage: dict) -> str | None:
+    """A sentence on a tuning stage whose winner is not bracketed (its ``bound_hit``); None when it is.
+
+    E.g. ``"prior_std 81 is the highest value scored (after 3 extensions of the grid, the most allowed): the best
+    value may lie above it"``.
+    """
+    hit = stage.get("bound_hit")
+    if not hit:
+        return None
+    option, chosen = stage["option"], stage["chosen"]
+    side = hit.get("side")
+    edge = {"low": "lowest", "high": "highest"}.get(side, "only")
+    beyond = {"low": "below", "high": "above"}.get(side, "beyond")
+    reason = hit.get("reason")
+    low, high = stage.get("bounds", (0.0, math.inf))
+    if reason == "value_bound":
+        why = f"the {'lower' if side == 'low' else 'upper'} end of its range [{low:g}, {high:g}]"
+    elif reason == "max_extensions":
+        added = stage.get("extensions", [])
+        start = [v for v in stage["grid"] if v not in added] or [chosen]
+        count = sum(1 for v in added if (v < min(start) if side == "low" else v > max(start)))
+        why = f"after {count} extension{'s' if count != 1 else ''} of the grid, the most allowed"
+    elif reason == "non_finite":
+        why = "the next value beyond it diverged (non-finite validation NLL)"
+    elif reason == "single_point":
+        return f"{option} had a single candidate, {chosen:g}: nothing to compare it with"
+    else:
+        why = str(reason)
+    return f"{option} {chosen:g} is the {edge} value scored ({why}): the best value may lie {beyond} it"
 
 
 def tuned_option_names(method: str) -> tuple[str, ...]:
@@ -332,6 +450,8 @@ def read_tuning_file(path: Path, method: str) -> dict:
 def tuning_score(cfg: RunConfig, num_samples: int) -> float:
     """Validation NLL of one tuning candidate: trained exactly as ``fit`` trains, nothing written.
 
+    With ``cfg.progress`` on a terminal its training shows a bar that is cleared when it ends.
+
     The model is trained for ``cfg.epochs`` epochs, the best-validation epoch is
     kept (as ``best.pt`` is in a run), the method is finalised (``after_fit``: e.g. a
     curvature is fitted) and the posterior predictive with ``num_samples`` samples is
@@ -349,7 +469,8 @@ def tuning_score(cfg: RunConfig, num_samples: int) -> float:
         fit(bnn, EpochLoader(splits.train, cfg.batch_size, cfg.seed, cfg.num_workers), epochs=cfg.epochs,
             optimizer=optimizer, val_loader=val_loader,
             early_stopping_patience=cfg.epochs if bnn.select_best_epoch else None,
-            autocast_dtype=AMP_DTYPES[cfg.amp], progress=False, finalize=False)
+            autocast_dtype=AMP_DTYPES[cfg.amp], finalize=False,
+            progress={"desc": "candidate", "leave": False} if cfg.progress and sys.stderr.isatty() else False)
     except FloatingPointError:
         return float("inf")
     bnn.after_fit(eval_loader(splits.train, cfg))
@@ -388,8 +509,8 @@ def tune_post_hoc(bnn, splits, tuning: dict, *, cfg: RunConfig, num_samples: int
     ``post_hoc``).
     """
     record = _post_hoc_tune(bnn, eval_loader(splits.val, cfg), cfg, num_samples)
-    log.info("%s: %s %g chosen by validation NLL over %s (bound hit: %s)", cfg.method, POST_HOC, record["chosen"],
-             record["grid"], record["bound_hit"])
+    log.info("%s: %s %g chosen by validation NLL over %s%s", cfg.method, POST_HOC, record["chosen"],
+             record["grid"], f"; {bracket_text(record | {'option': POST_HOC})}" if record.get("bound_hit") else "")
     stage = {"stage": "post_hoc", "option": POST_HOC, "fixed": {"prior_std": cfg.prior_std}, **record}
     return {**tuning, "options": {**tuning.get("options", {}), POST_HOC: record["chosen"]},
             "val_nll": record["val_nll"][record["chosen_index"]], "stages": [*tuning.get("stages", []), stage]}

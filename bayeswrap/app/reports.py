@@ -2,15 +2,20 @@
 
 :func:`final_reports` scores a fitted posterior with :mod:`bayeswrap.evaluation.protocol` (in distribution, under
 shift, against held-out classes); :func:`write_plots` draws a run's figures; :func:`comparison_rows`,
-:func:`markdown_table` and :func:`csv_table` make ``compare``'s table; :func:`predict_rows` makes ``predict``'s CSV.
+:func:`markdown_table` and :func:`csv_table` make ``compare``'s tables (the compact one a person reads, and every
+column), :func:`report_notes` the warnings they carry; :func:`predict_rows` makes ``predict``'s CSV.
 Nothing here trains a model or opens a run folder (:mod:`bayeswrap.app.runner` does).
 """
 
 from __future__ import annotations
 
 import csv
+import inspect
 import io as _stdio
 import logging
+import math
+import re
+import textwrap
 from pathlib import Path
 
 import torch
@@ -170,14 +175,89 @@ def history_csv(history: list[dict]) -> str:
 
 COMPARE_COLUMNS = ("method", "tuned", "cost", "num_samples", "predictive", "error", "ece", "nll", "ece_Topt", "nll_Topt",
                    "temperature", "shift_error", "shift_ece", "shift_nll", "shift_ece_Topt", "shift_nll_Topt",
-                   "ood_auroc_entropy", "ood_auroc_mi", "coverage", "set_size")
-"""Columns of comparison.md/.csv: the options chosen by tuning (``prior_std=0.3, kl_weight=0.01``; empty
+                   "ood_auroc_entropy", "ood_auroc_mi", "coverage", "set_size", "note")
+"""Columns of comparison.csv and comparison_full.md: the options chosen by tuning (``prior_std=0.3, kl_weight=0.01``; empty
 with ``--no-tune``); the final run's training time as a multiple of MAP's in the same comparison (empty
 without MAP; tuning runs not counted); S; the predictive the row was scored with (the method's default, e.g.
 ``GLM(link='probit')`` for Laplace, ``Sampled()``; empty for a run from before it was recorded); in distribution at T = 1 and at the fitted T; the mean over every
 non-zero shift intensity (rotation and noise) at T = 1 and at the in-distribution T; OOD AUROC of
 held-out classes scored by predictive entropy and by mutual information (empty for S < 2); the test coverage and
-mean size of the split conformal sets (``conformal_alpha``, ``conformal_score``; empty without validation data)."""
+mean size of the split conformal sets (``conformal_alpha``, ``conformal_score``; empty without validation data);
+the row's warnings (:func:`report_notes`, joined by ``"; "``; empty without one)."""
+
+#: the compact table (comparison.md and the terminal): ``(header, row key)``; a row per method and operating point,
+#: with rows at another S only where their numbers differ (:func:`markdown_table`)
+SUMMARY_COLUMNS = (("method", "method"), ("S", "num_samples"), ("predictive", "predictive"), ("error", "error"),
+                   ("NLL", "nll"), ("ECE", "ece"), ("shift err", "shift_error"), ("shift NLL", "shift_nll"),
+                   ("OOD AUROC", "ood_auroc_entropy"), ("cost", "cost"), ("note", "note"))
+
+#: a table's text width: its legend and footnotes are wrapped to it
+TABLE_WIDTH = 120
+
+#: the chance-level rule's test: an error within CHANCE_Z standard errors of random guessing's, 1 − 1/K
+CHANCE_Z = 2.0
+#: the chance-level rule for the NLL: a predictive whose NLL is at least (1 − CHANCE_NLL_FRACTION) · log K, i.e.
+#: within this fraction of the uniform predictive's log K, has learned next to nothing
+CHANCE_NLL_FRACTION = 0.05
+
+
+def temperature_bounds() -> tuple[float, float]:
+    """The range ``(T_min, T_max)`` a fitted temperature is searched in: the default ``bounds`` of
+    :func:`bayeswrap.evaluation.calibration.fit_temperature`, which the reports use.
+    """
+    low, high = inspect.signature(calibration.fit_temperature).parameters["bounds"].default
+    return float(low), float(high)
+
+
+def report_notes(report: dict) -> list[str]:
+    """The warnings a final report (one row of the table) deserves, each ``"<label>: <why, with the numbers>"``.
+
+    * ``chance level``: the predictive is no better than guessing. Its test error is at least
+      1 − 1/K − z·SE, the expected error of guessing uniformly among K classes less z = :data:`CHANCE_Z`
+      standard errors SE = sqrt((1/K)(1 − 1/K)/n) of a guesser's error on the n test examples (a one-sided test
+      at about 2 %: an error below that is unlikely from guessing); or its NLL is at least
+      (1 − :data:`CHANCE_NLL_FRACTION`) · log K, within 5 % of the NLL of the uniform predictive (log K nats,
+      whatever the labels).
+    * ``T at bound``: the temperature fitted on validation sits at a bound of its search range
+      (:func:`temperature_bounds`, (0.01, 100)): at the upper one the fit flattens the predictive as far as it may
+      (the scores carry almost no information; the T-scaled columns are of a nearly uniform predictive), at the
+      lower one it sharpens it as far as it may.
+
+    Args:
+        report: a final report (:func:`final_reports`): ``T1`` (``error``, ``nll``), ``n_classes``,
+            ``n_examples`` and, with validation data, ``temperature``.
+
+    Returns:
+        The notes, in that order; empty for a report that needs none. No note holds a ``";"``.
+    """
+    notes = []
+    k, n = report.get("n_classes"), report.get("n_examples")
+    t1 = report.get("T1") or {}
+    if k and k > 1 and n and "error" in t1 and "nll" in t1:
+        guess = 1.0 - 1.0 / k
+        limit = guess - CHANCE_Z * math.sqrt(guess * (1.0 - guess) / n)
+        uniform = math.log(k)
+        reasons = []
+        if t1["error"] >= limit:
+            reasons.append(f"test error {t1['error']:.3f} >= {limit:.3f} (guessing among K = {k} classes errs "
+                           f"1-1/K = {guess:.3f}, less {CHANCE_Z:g} standard errors at n = {n})")
+        if t1["nll"] >= (1.0 - CHANCE_NLL_FRACTION) * uniform:
+            reasons.append(f"NLL {t1['nll']:.3f} >= {1.0 - CHANCE_NLL_FRACTION:g} log K = "
+                           f"{(1.0 - CHANCE_NLL_FRACTION) * uniform:.3f} (the uniform predictive's NLL is "
+                           f"log K = {uniform:.3f})")
+        if reasons:
+            notes.append("chance level: " + " and ".join(reasons) + ", no better than guessing")
+    temperature = report.get("temperature")
+    if temperature is not None:
+        low, high = temperature_bounds()
+        if temperature >= high * (1 - 1e-9):
+            notes.append(f"T at bound: the temperature fitted on validation is {temperature:g}, the upper end of its "
+                         f"range [{low:g}, {high:g}], which flattens the predictive towards uniform: its "
+                         "confidence carries almost no information")
+        elif temperature <= low * (1 + 1e-9):
+            notes.append(f"T at bound: the temperature fitted on validation is {temperature:g}, the lower end of its "
+                         f"range [{low:g}, {high:g}]: the fit sharpens the predictive as far as it may")
+    return notes
 
 
 def operating_points(method: str, metrics: dict) -> dict[str, dict]:
@@ -222,7 +302,8 @@ def comparison_rows(results: dict[str, dict], baseline: str) -> list[dict]:
                          "ood_auroc_entropy": (ood.get("entropy") or {}).get("auroc"),
                          "ood_auroc_mi": (ood.get("mutual_information") or {}).get("auroc"),
                          "coverage": (rep.get("conformal") or {}).get("coverage"),
-                         "set_size": (rep.get("conformal") or {}).get("mean_set_size")})
+                         "set_size": (rep.get("conformal") or {}).get("mean_set_size"),
+                         "note": "; ".join(report_notes(rep))})
     return rows
 
 
@@ -239,18 +320,118 @@ def tuned_text(metrics: dict) -> str:
     return ", ".join(f"{k}={v:g}" for k, v in tuned_options(metrics).items())
 
 
-def markdown_table(rows: list[dict]) -> str:
-    def fmt(v):
-        return "" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v))
+def markdown_table(rows: list[dict], *, full: bool = False, baseline: str = "map") -> str:
+    """``compare``'s table as Markdown: compact (comparison.md, the terminal) or with every column
+    (``full``: comparison_full.md, :data:`COMPARE_COLUMNS`, one line per row).
 
-    lines = ["| " + " | ".join(COMPARE_COLUMNS) + " |", "|" + "---|" * len(COMPARE_COLUMNS)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in COMPARE_COLUMNS) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    The compact table (:data:`SUMMARY_COLUMNS`, aligned, about :data:`TABLE_WIDTH` characters wide) has one row per
+    method and operating point and S; a row whose cells are those of another row of the same method at a higher S
+    (MAP's S = 0 and S = 5: the same network) is left out, and the row kept lists both S (``0, 5``). The
+    predictive is named without its brackets (``GLM probit`` for ``GLM(link='probit')``), the scores with 3 decimals,
+    the cost (2 decimals) as a multiple of ``baseline``'s. Under it: a legend, the tuned options of each row, and the
+    rows' notes (:func:`report_notes`) as numbered footnotes, one per distinct note naming the rows it is about, their
+    numbers in the ``note`` column.
+    Both tables take the rows of :func:`comparison_rows`.
+    """
+    if full:
+        lines = ["| " + " | ".join(COMPARE_COLUMNS) + " |", "|" + "---|" * len(COMPARE_COLUMNS)]
+        lines += ["| " + " | ".join(_cell(r.get(c)) for c in COMPARE_COLUMNS) + " |" for r in rows]
+        return "\n".join(lines) + "\n"
+    footnotes: dict[str, list[str]] = {}  # note -> the rows it is about; numbered in order of appearance
+    shown = []
+    for row in compact_rows(rows):
+        cells = {key: _cell(row.get(key), digits=2 if key == "cost" else 3) for _, key in SUMMARY_COLUMNS}
+        cells["num_samples"] = ", ".join(str(s) for s in row["num_samples"])
+        cells["predictive"] = short_predictive(row.get("predictive"))
+        numbers = []
+        for note in filter(None, (row.get("note") or "").split("; ")):
+            footnotes.setdefault(note, []).append(f"{row['method']} (S = {cells['num_samples']})")
+            numbers.append(list(footnotes).index(note) + 1)
+        cells["note"] = f"[{', '.join(map(str, numbers))}]" if numbers else ""
+        shown.append([cells[key] for _, key in SUMMARY_COLUMNS])
+    headers = [h for h, _ in SUMMARY_COLUMNS]
+    widths = [max([len(h)] + [len(r[i]) for r in shown]) for i, h in enumerate(headers)]
+    numeric = [key not in ("method", "num_samples", "predictive", "note") for _, key in SUMMARY_COLUMNS]
+
+    def line(cells):
+        return "| " + " | ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, numeric)) + " |"
+
+    lines = [line(headers), "|" + "|".join(("-" * (w + 1) + ":") if num else ("-" * (w + 2))
+                                           for w, num in zip(widths, numeric)) + "|"]
+    lines += [line(r) for r in shown]
+    legend = ("S: posterior samples (a row lists each S whose numbers are the same); error, NLL, ECE: test set at "
+              "T = 1; shift: mean over the shifted test sets; OOD AUROC: held-out classes by predictive entropy; "
+              f"cost: training time as a multiple of {baseline}'s. Every column and row: comparison.csv.")
+    tuned = "; ".join(dict.fromkeys(f"{r['method']} {r['tuned']}" for r in rows if r.get("tuned")))
+    text = [""] + textwrap.wrap(legend, TABLE_WIDTH)
+    if tuned:
+        text += textwrap.wrap(f"Tuned by validation NLL: {tuned}.", TABLE_WIDTH)
+    if footnotes:
+        text += [""] + [wrapped for number, (note, about) in enumerate(footnotes.items(), 1)
+                        for wrapped in textwrap.wrap(f"[{number}] {', '.join(about)}: {note}.", TABLE_WIDTH,
+                                                     subsequent_indent="    ")]
+    return "\n".join(lines + text) + "\n"
+
+
+def compact_rows(rows: list[dict]) -> list[dict]:
+    """The rows of the compact table: per method label, a row at S only where its compact cells differ from those
+    of every row at a higher S; a kept row's ``num_samples`` is the list of the S it stands for, ascending.
+
+    The cells compared are those shown (:data:`SUMMARY_COLUMNS` but S and the predictive, at the shown precision,
+    notes included): two rows the table would print alike are one row.
+    """
+    keys = [key for _, key in SUMMARY_COLUMNS if key not in ("method", "num_samples", "predictive")]
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["method"], []).append(row)
+    out = []
+    for group in groups.values():
+        kept: list[tuple[tuple, dict]] = []
+        for row in sorted(group, key=lambda r: -r["num_samples"]):  # the highest S first: it is the row kept
+            shown = tuple(_cell(row.get(k), digits=2 if k == "cost" else 3) for k in keys)
+            same = next((r for cells, r in kept if cells == shown), None)
+            if same is None:
+                kept.append((shown, {**row, "num_samples": [row["num_samples"]]}))
+            else:
+                same["num_samples"].insert(0, row["num_samples"])
+        out += sorted((r for _, r in kept), key=lambda r: r["num_samples"][0])
+    return out
+
+
+def short_predictive(name: str | None) -> str:
+    """A predictive's ``repr`` without its brackets: ``"GLM(link='probit')"`` → ``"GLM probit"``,
+    ``"Sampled()"`` → ``"Sampled"``; empty for None.
+    """
+    if not name:
+        return ""
+    match = re.fullmatch(r"(\w+)\((.*)\)", name)
+    if not match:
+        return name
+    values = [part.split("=", 1)[-1].strip().strip("'\"") for part in match.group(2).split(",") if part.strip()]
+    return " ".join([match.group(1), *values])
+
+
+def row_warnings(rows: list[dict]) -> list[str]:
+    """The rows' notes as terminal lines, one per distinct note with the rows it is about:
+    ``"map (S = 0, 5), vi (S = 5): chance level: ..."``.
+    """
+    seen: dict[str, dict[str, list[int]]] = {}
+    for row in rows:
+        for note in filter(None, (row.get("note") or "").split("; ")):
+            seen.setdefault(note, {}).setdefault(row["method"], []).append(row["num_samples"])
+    return [", ".join(f"{method} (S = {', '.join(map(str, s))})" for method, s in about.items()) + f": {note}"
+            for note, about in seen.items()]
+
+
+def _cell(value, digits: int = 4) -> str:
+    """A table cell: empty for None, a float with ``digits`` decimals, anything else as text."""
+    return "" if value is None else (f"{value:.{digits}f}" if isinstance(value, float) else str(value))
 
 
 def csv_table(rows: list[dict]) -> str:
+    """``compare``'s table as CSV: every row and every column of :data:`COMPARE_COLUMNS`."""
     buf = _stdio.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COMPARE_COLUMNS)
+    writer = csv.DictWriter(buf, fieldnames=COMPARE_COLUMNS, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()

@@ -382,7 +382,7 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
             fit(bnn, train_loader, epochs=cfg.epochs, optimizer=optimizer, val_loader=val_loader,
                 scheduler=scheduler, autocast_dtype=AMP_DTYPES[cfg.amp], grad_scaler=scaler,
                 start_epoch=start_epoch, grad_clip_norm=cfg.grad_clip_norm or None, on_epoch_end=on_epoch_end,
-                progress=cfg.progress and sys.stderr.isatty(), finalize=False)
+                progress={"desc": cfg.method} if cfg.progress and sys.stderr.isatty() else False, finalize=False)
     except FloatingPointError as err:
         raise FloatingPointError(f"{err}; the last good checkpoint is kept in {run_dir / 'last.pt'}") from None
     finally:

@@ -90,7 +90,8 @@ def select_by_val_nll(grid: Sequence[float], val_nll: Sequence[float]) -> int:
 
 def tune(grid: Sequence[float], val_nll_of: Callable[[float], float], *,
          bounds: tuple[float, float] = UNBOUNDED, max_extensions: int = MAX_EXTENSIONS,
-         scored: Mapping[float, float] | None = None) -> dict:
+         scored: Mapping[float, float] | None = None,
+         on_score: Callable[[float, int, int], None] | None = None) -> dict:
     """Scores a grid, extending it past an edge that wins until the winner is interior (see the module docstring).
 
     Args:
@@ -102,6 +103,10 @@ def tune(grid: Sequence[float], val_nll_of: Callable[[float], float], *,
         max_extensions: extensions allowed past each edge (integer ≥ 0).
         scored: ``{value: validation NLL}`` already known (e.g. from an earlier
             stage); these grid values are not scored again.
+        on_score: optional progress callback ``(value, index, total)``, called just before ``val_nll_of(value)``
+            (not for a reused value): ``index`` is the point's 1-based position among this search's points so
+            far, reused ones included, and ``total`` the number of points known at that moment (the grid, plus
+            the extensions added so far: it grows by one with each extension).
 
     Returns:
         The record ``{"grid": [...], "val_nll": [...], "chosen": value,
@@ -133,12 +138,15 @@ def tune(grid: Sequence[float], val_nll_of: Callable[[float], float], *,
     order: list[float] = []  # values in scoring order (decides ties)
     nll: dict[float, float] = {}
     reused: list[float] = []
+    extensions: list[float] = []
 
     def score(v: float) -> float:
         if v in known:
             reused.append(v)
             s = known[v]
         else:
+            if on_score is not None:
+                on_score(v, len(order) + 1, len(values) + len(extensions))
             s = val_nll_of(v)
         s = float(s)
         nll[v] = s if math.isfinite(s) else math.inf
@@ -147,7 +155,6 @@ def tune(grid: Sequence[float], val_nll_of: Callable[[float], float], *,
 
     for v in values:
         score(v)
-    extensions: list[float] = []
     done = {"low": 0, "high": 0}
     bound_hit = None
     while True:
@@ -186,7 +193,7 @@ def tune(grid: Sequence[float], val_nll_of: Callable[[float], float], *,
 def tune_with_prior(score: Callable[[dict], float], *, knob: str | None, grid: Sequence[float] = (),
                     bounds: tuple[float, float] = UNBOUNDED, prior_std: float | None,
                     prior_bounds: tuple[float, float] = UNBOUNDED, max_extensions: int = MAX_EXTENSIONS,
-                    tempered: bool = False) -> dict:
+                    tempered: bool = False, on_score: Callable[[dict], None] | None = None) -> dict:
     """A method's knob and its prior std σ, in the two stages of the module docstring.
 
     * ``knob == "prior_std"`` (MAP): one stage, ``grid`` bracketed within ``bounds``.
@@ -212,6 +219,9 @@ def tune_with_prior(score: Callable[[dict], float], *, knob: str | None, grid: S
             each candidate (σ, w) is scored, and the chosen one returned, as
             ``{"prior_std": σ √w, knob: w}``. Needs a knob other than ``"prior_std"``
             and a prior std.
+        on_score: optional progress callback, called with ``{"stage", "option", "value", "index", "total",
+            "fixed"}`` just before each candidate is scored (``index``/``total`` as in :func:`tune`'s
+            ``on_score``, within the stage; ``value`` and ``fixed`` in the stage's own terms, before tempering).
 
     Returns:
         ``{"options": {option: chosen value}, "val_nll": the winner's validation
@@ -244,8 +254,12 @@ def tune_with_prior(score: Callable[[dict], float], *, knob: str | None, grid: S
         return {**candidate, "prior_std": _tidy(candidate["prior_std"] * math.sqrt(candidate[knob]))}
 
     def stage(name: str, option: str, fixed: dict, values, limits, scored=None) -> dict:
+        def announce(value: float, index: int, total: int) -> None:
+            on_score({"stage": name, "option": option, "value": value, "index": index, "total": total,
+                      "fixed": dict(fixed)})
+
         record = tune(values, lambda v: score(trained({**fixed, option: v})), bounds=limits,
-                      max_extensions=max_extensions, scored=scored)
+                      max_extensions=max_extensions, scored=scored, on_score=None if on_score is None else announce)
         extra = {"trained": [trained({**fixed, option: v}) for v in record["grid"]]} if tempered else {}
         stages.append({"stage": name, "option": option, "fixed": dict(fixed), **record, **extra})
         options[option] = record["chosen"]
