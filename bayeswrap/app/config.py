@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import yaml
 
-from bayeswrap.app.options import StrictLoader, coerce_option, option_specs, option_users, parse_bool
+from bayeswrap.app.options import coerce_option, option_specs, option_users
+from bayeswrap.app.values import StrictLoader, parse_bool, parse_number, unknown_name
 from bayeswrap.core.checks import MAX_PREDICTIVE_SAMPLES, SCALE_RANGE, check_device
 from bayeswrap.core.io import file_kind
 from bayeswrap.data.corruptions import CORRUPTIONS, SEVERITIES, corruption_names, require_library
@@ -143,11 +144,11 @@ class RunConfig:
             ValueError: naming the bad value and the accepted ones.
         """
         if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r} is not known; accepted: {', '.join(METHODS)}")
+            raise ValueError(unknown_name("method", self.method, METHODS))
         self.amp = amp_value(self.amp)  # older configs and callers: True/False
         for name, accepted in CHOICES.items():
             if getattr(self, name) not in accepted:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not known; accepted: {', '.join(accepted)}")
+                raise ValueError(unknown_name(name, getattr(self, name), accepted))
         for name, (ok, rule) in RANGES.items():
             value = getattr(self, name)
             kind = type(FIELDS[name].default)
@@ -464,19 +465,9 @@ def coerce(name: str, value: Any) -> Any:
         raise ValueError(f"{name}={value!r} is not {what}; accepted: {RANGES.get(name, (0, what))[1]}")
     if kind is str:
         return str(value)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = None
-    if kind is int:
-        if number is None or not math.isfinite(number) or not number.is_integer():
-            raise ValueError(f"{name}={value!r} is not an integer; accepted: {RANGES[name][1]}")
-        as_int = int(number) if not isinstance(value, int) else value
-        if not RANGES[name][0](as_int):
-            raise ValueError(f"{name}={value!r} is out of range; accepted: {RANGES[name][1]}")
-        return as_int
-    if number is None:
-        raise ValueError(f"{name}={value!r} is not a number; accepted: {RANGES.get(name, (0, 'a float'))[1]}")
+    number = parse_number(name, value, kind, RANGES.get(name, (0, "a float"))[1])
+    if kind is int and not RANGES[name][0](number):
+        raise ValueError(f"{name}={value!r} is out of range; accepted: {RANGES[name][1]}")
     return number
 
 
