@@ -14,6 +14,9 @@ torch nor the application layer, so the ``bayeswrap`` command line answers ``--h
 without the library's import time.
 """
 
+import importlib
+import importlib.util
+
 from bayeswrap import _compat
 
 _compat.install()  # old module paths (bayeswrap.core.functional, bayeswrap.app.cli, ...) keep working
@@ -28,8 +31,6 @@ def _load_api() -> None:
     global _loading
     _loading = True  # while _api imports submodules, ``from bayeswrap import x`` must not come back here
     try:
-        import importlib
-
         api = importlib.import_module("bayeswrap._api")
     finally:
         _loading = False
@@ -44,6 +45,8 @@ def __getattr__(name: str):
 
         return load_run
     if not _loading and "__all__" not in globals() and (name == "__all__" or not name.startswith("_")):
+        if name != "__all__" and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")  # a submodule (``from bayeswrap import optim``)
         _load_api()
         if name in globals():
             return globals()[name]

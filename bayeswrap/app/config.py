@@ -78,7 +78,9 @@ class RunConfig:
     prior_std: float = _f(1.0, "prior std σ of N(θ̄, σ² I) (BayesDLL prior_sig)")
     prior_mean: str = _f("auto", "θ̄: auto (pretrained/init-checkpoint weights, else zero), init, zero")
     bias: str = _f("informative", "bias prior: informative, uninformative (mc_dropout: gaussian, spikymix, ignore)")
-    params: str = _f("", "comma-separated glob patterns of the Bayesian parameters; empty = all")
+    params: str = _f("", "the Bayesian parameters: last_layer (the classifier's weight and bias, as "
+                     "bw.wrap(params='last_layer')), comma-separated glob patterns over parameter names (fc.*,head.*) "
+                     "or empty = all trainable ones")
     kl_weight: float = _f(1.0, "weight of the KL/prior term (BayesDLL kld)")
     num_data_inflate: float = _f(1.0, "num_data = train size x this factor (BayesDLL Ninflate)")
     num_samples: int = _f(5, "posterior samples S for test predictions (0 = posterior mean; at most "
