@@ -399,7 +399,7 @@ def _create_torchvision(arch: str, num_classes: int, pretrained: bool, dropout: 
 #: what the refusal of ``dropout`` names: the backbones whose dropout it sets
 DROPOUT_FAMILIES = ("mlp (after each hidden layer)", "timm models (drop_rate, before the head)",
                     "torchvision models with dropout layers (e.g. tv:vgg11, tv:alexnet, tv:vit_b_16, "
-                    "tv:efficientnet_b0, tv:mobilenet_v3_small, tv:squeezenet1_0)")
+                    "tv:efficientnet_b0, tv:mobilenet_v3_small)")
 
 
 def set_dropout(model: nn.Module, p: float, name: str = "") -> int:

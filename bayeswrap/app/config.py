@@ -66,13 +66,15 @@ class RunConfig:
     data_root: str = _f("data", "data directory (torchvision layout; imagefolder: root/train, root/test)")
     download: bool = _f(False, "download pets/flowers102 into data_root if missing")
     val_fraction: float = _f(0.5, "fraction of the non-test data held out for validation, in [0, 1)")
-    img_size: int = _f(0, "image side for the default transform; 0 = the model's default (224)")
+    img_size: int = _f(0, "image side for the default transform and the input side of timm models that take one "
+                       "(ViT, Swin: timm's img_size); 0 = the model's default (224; 32 for digits)")
     # model
     model: str = _f("mlp", "backbone: 'mlp', a timm name (resnet101, vit_large_patch32_224) or tv:<torchvision name>")
     pretrained: bool = _f(False, "load pretrained weights (they become the prior mean; the new head's is zero)")
     init_checkpoint: str = _f("", "local weights file (safetensors or torch) used as initial weights and prior mean")
     dropout: float = _f(0.0, "the backbone's own dropout: mlp after each hidden layer, timm drop_rate, torchvision "
-                                "dropout (0 = none; mc_dropout --mode layers samples it)")
+                                "every dropout layer (VGG, ViT, EfficientNet, MobileNet; refused for models without "
+                                "one, e.g. tv:resnet18); 0 = none; mc_dropout --mode layers samples it")
     # inference method
     method: str = _f("vi", "inference method: " + ", ".join(METHODS))
     prior_std: float = _f(1.0, "prior std σ of N(θ̄, σ² I) (BayesDLL prior_sig)")
