@@ -170,9 +170,9 @@ def _compare_parser(sub, spec: dict):
     p_cmp.add_argument("-h", "--help", action=_Help, help="show this help")
     _add_run_options(p_cmp, spec, skip=("method", "num_samples"))
     _add_method_options(p_cmp, spec, None)
-    p_cmp.add_argument("--methods", default=",".join(compared),
-                       help=f"comma-separated methods (default: {','.join(compared)}; also: {','.join(others)})")
-    p_cmp.add_argument("--num-samples", default="0,5", dest="num_samples_list",
+    p_cmp.add_argument("--methods", default=",".join(compared), metavar="M1,M2,...",
+                       help=f"comma-separated methods (default: {', '.join(compared)}; also: {', '.join(others)})")
+    p_cmp.add_argument("--num-samples", default="0,5", dest="num_samples_list", metavar="S1,S2,...",
                        help="comma-separated posterior sample counts S (default: 0,5)")
     p_cmp.add_argument("--no-tune", action="store_false", dest="tune",
                        help="skip the tuning of each method's key option and prior std by validation NLL "

@@ -99,7 +99,9 @@ def _choices(method: str, name: str, spec, annotation: str) -> list[str] | None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 wrap(stand_in, method, num_data=10, **{spec.argument: value})
-        except (ValueError, TypeError, ImportError) as err:
+        except ImportError:
+            return True  # a choice that needs an optional package (hmc's kernel="nuts": pyro-ppl)
+        except (ValueError, TypeError) as err:
             return name not in str(err) and value not in str(err)  # refused for another reason: not this value
         return True
 
@@ -157,7 +159,10 @@ def render_spec(spec: dict[str, Any]) -> str:
 
 @cache
 def _committed() -> dict[str, Any]:
-    return json.loads(SPEC_PATH.read_text(encoding="utf-8"))
+    try:
+        return json.loads(SPEC_PATH.read_text(encoding="utf-8"))
+    except FileNotFoundError:  # an installation without the package data: slower, still right
+        return build_spec()
 
 
 @cache
