@@ -7,31 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bayeswrap.app import build, cli
+from bayeswrap.app import cli
 from bayeswrap.app.backbones import DROPOUT_FAMILIES, create_model
 from bayeswrap.app.build import DataInfo, build_model, params_selector
 from bayeswrap.app.config import resolve
 
 FAST = ["--epochs", "1", "--batch-size", "128", "--num-samples", "0", "--shift-rotations", "0", "--shift-noise", "0",
         "--progress", "false"]
-
-
-class Loaded(RuntimeError):
-    """What the patched loader and builder raise: the command went past validation."""
-
-
-@pytest.fixture
-def loads(monkeypatch):
-    calls = []
-
-    def record(what):
-        def called(*args, **kwargs):
-            calls.append(what)
-            raise Loaded(f"{what} was called")
-        return called
-
-    monkeypatch.setattr(build, "load_data", record("load_data"))
-    return calls
 
 
 def _digits(num_classes: int = 8, shape=(1, 32, 32)) -> DataInfo:
@@ -61,11 +43,11 @@ def test_dropout_sets_every_dropout_layer_of_a_torchvision_model():
         create_model("tv:resnet18", 3, dropout=0.2)
 
 
-def test_dropout_on_a_torchvision_model_without_dropout_is_refused_before_loading(loads, tmp_path, capsys):
+def test_dropout_on_a_torchvision_model_without_dropout_is_refused_before_loading(data_loads, tmp_path, capsys):
     rc = cli.main(["fit", "--model", "tv:resnet18", "--method", "mc_dropout", "--mode", "layers", "--dropout", "0.2",
                    "--out-dir", str(tmp_path / "runs"), *FAST])
     err = capsys.readouterr().err
-    assert (rc, loads) == (2, []), err
+    assert (rc, data_loads) == (2, []), err
     assert err.startswith("bayeswrap: error: dropout=0.2: model 'tv:resnet18' has no dropout layer to set")
     assert all(family in err for family in DROPOUT_FAMILIES) and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()
@@ -85,6 +67,6 @@ def test_img_size_builds_a_timm_vit_for_that_side():
     assert cnn(torch.rand(2, 1, 40, 40)).shape == (2, 8)
 
 
-def test_img_size_reaches_the_loader_with_a_timm_vit(loads, tmp_path, capsys):
+def test_img_size_reaches_the_loader_with_a_timm_vit(data_loads, tmp_path, capsys):
     rc = cli.main(["fit", "--model", "vit_tiny_patch16_224", "--img-size", "32", "--out-dir", str(tmp_path), *FAST])
-    assert loads == ["load_data"] and rc == 1, capsys.readouterr().err
+    assert data_loads == ["load_data"] and rc == 1, capsys.readouterr().err

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bayeswrap.app import build, cli
+from bayeswrap.app import cli
 from bayeswrap.app.cli_parser import EXAMPLES
 from bayeswrap.app.cli_spec import REGENERATE, SPEC_PATH, build_spec, plain_text, render_spec
 
@@ -120,29 +120,18 @@ def test_the_readme_commands_are_in_the_help_examples():
     assert set(commands) <= examples, set(commands) - examples
 
 
-class Loaded(RuntimeError):
-    """What the patched data loader raises: the command went past every check."""
-
-
 def _examples() -> list[str]:
     runnable = [e for lines in EXAMPLES.values() for e in lines if e.split()[1] in ("fit", "compare")]
     return list(dict.fromkeys([*_readme_commands(), *runnable]))
 
 
 @pytest.mark.parametrize("command", [c for c in _examples() if "--help" not in c and "--resume" not in c])
-def test_each_example_passes_every_check_before_loading_data(command, monkeypatch, tmp_path, capsys):
+def test_each_example_passes_every_check_before_loading_data(command, data_loads, monkeypatch, tmp_path, capsys):
     """Each README and help example: parsed, resolved and preflighted; the patched loader is what stops it."""
-    calls = []
-
-    def load_data(*args, **kwargs):
-        calls.append(args)
-        raise Loaded("load_data was called")
-
-    monkeypatch.setattr(build, "load_data", load_data)
     monkeypatch.chdir(ROOT)  # the examples' config files are relative to the repository
     rc = cli.main([*command.split()[1:], "--out-dir", str(tmp_path / "runs")])
     err = capsys.readouterr().err
-    assert rc == 1 and "load_data was called" in err and len(calls) == 1, err
+    assert rc == 1 and "load_data was called" in err and data_loads == ["load_data"], err
 
 
 def test_every_subcommand_has_help(capsys):
