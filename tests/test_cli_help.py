@@ -101,6 +101,9 @@ def test_fit_help_is_short_and_per_method_help_lists_the_methods_options(capsys)
     assert "--curvature-chunk-size INT" in laplace and "(int; default: 32)" in laplace
     assert "--p-drop" not in laplace and "--swa-start" not in laplace  # other methods' options
     assert "--optimizer {sgd,adamw}" in laplace and "--dataset {digits," in laplace  # the shared options
+    with pytest.raises(SystemExit) as exit:  # a misspelt method: its name, not the generic help
+        cli.main(["fit", "--method", "lapalce", "--help"])
+    assert exit.value.code == 2 and "Did you mean: laplace?" in capsys.readouterr().err
     for text in (plain, laplace, _help(["fit", "--method", "swag", "--help"], capsys)):
         assert "``" not in text and ":class:" not in text and ":data:" not in text and "examples:" in text
 

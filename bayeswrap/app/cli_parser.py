@@ -75,6 +75,9 @@ class _Help(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         method = getattr(namespace, "method", None) or getattr(parser, "method_hint", None)
+        methods = load_spec()["methods"]
+        if method and method not in methods:
+            parser.error(unknown_name("method", method, list(methods)))
         build = getattr(parser, "rebuild", None)
         shown = build(method) if build is not None and method else parser
         shown.print_help()
