@@ -55,6 +55,8 @@ def _escape(text: str) -> str:
 def _metavar(entry: dict) -> str:
     if entry["choices"]:
         return "{" + ",".join(entry["choices"]) + "}"
+    if "|" in entry["annotation"]:  # e.g. int | float | str: the help line says which
+        return "VALUE"
     return _METAVAR[entry["type"]]
 
 
