@@ -70,3 +70,20 @@ def test_img_size_builds_a_timm_vit_for_that_side():
 def test_img_size_reaches_the_loader_with_a_timm_vit(data_loads, tmp_path, capsys):
     rc = cli.main(["fit", "--model", "vit_tiny_patch16_224", "--img-size", "32", "--out-dir", str(tmp_path), *FAST])
     assert data_loads == ["load_data"] and rc == 1, capsys.readouterr().err
+
+
+def test_img_size_builds_a_torchvision_vit_for_that_side_and_refuses_weights_of_another():
+    with torch.device("meta"):  # ViT-B/16's 86M parameters, without their memory
+        vit = create_model("tv:vit_b_16", 3, img_size=32)
+        resnet = create_model("tv:resnet18", 3, img_size=32)  # a CNN: any side
+    assert vit.image_size == 32 and vit.encoder.pos_embedding.shape[1] == (32 // 16) ** 2 + 1
+    assert resnet.fc.out_features == 3
+    with pytest.raises(ValueError, match=r"img_size=32: the pretrained weights of tv:vit_b_16 are for 224 px images"):
+        create_model("tv:vit_b_16", 3, img_size=32, pretrained=True)  # refused before any download
+
+
+def test_pretrained_torchvision_vit_at_another_side_is_refused_before_loading(data_loads, tmp_path, capsys):
+    rc = cli.main(["fit", "--model", "tv:vit_b_16", "--pretrained", "--img-size", "32", "--out-dir", str(tmp_path),
+                   *FAST])
+    err = capsys.readouterr().err
+    assert (rc, data_loads) == (2, []) and "the pretrained weights of tv:vit_b_16 are for 224 px" in err, err

@@ -53,6 +53,8 @@ __all__ = [
     "head_parameter_names",
     "load_checkpoint",
     "load_state_dict_file",
+    "set_dropout",
+    "tv_image_size",
 ]
 
 #: Prefix that selects a torchvision model, e.g. ``"tv:resnet101"``.
@@ -247,11 +249,12 @@ def create_model(
             dropout layer of the model (what the builders' ``dropout`` argument sets, for
             VGG, AlexNet, ViT, EfficientNet, MobileNet, ...); a torchvision model without
             dropout layers (ResNet, ...) refuses a ``dropout`` > 0.
-        img_size: timm: the input side the model is built for, for the models whose
-            constructor takes ``img_size`` (ViT, DeiT, Swin, ...: as timm's ``--input-size``;
-            pretrained position embeddings are resampled by timm); others (CNNs) take any
-            size and ignore it. None or 0: the model's default. Not used by ``mlp`` and
-            torchvision models.
+        img_size: the input side the model is built for, for the models whose constructor
+            takes one: timm's ``img_size`` (ViT, DeiT, Swin, ...: as timm's ``--input-size``;
+            pretrained position embeddings are resampled by timm), torchvision's
+            ``image_size`` (ViT; its pretrained weights only at their own side). Others
+            (CNNs) take any side and ignore it. None or 0: the model's default. Not used by
+            ``mlp``.
         **kwargs: Extra keyword arguments for ``timm.create_model`` (e.g. ``img_size=32``,
             ``in_chans=1``) or ``torchvision.models.get_model``.
 
@@ -276,7 +279,8 @@ def create_model(
             raise ValueError("the 'mlp' model needs in_features (the flattened input size, 64 for digits)")
         model: nn.Module = MLP(in_features, num_classes, hidden_sizes, dropout)
     elif name.startswith(TV_PREFIX):
-        model = _create_torchvision(name[len(TV_PREFIX):], num_classes, use_pretrained, dropout, kwargs)
+        model = _create_torchvision(name[len(TV_PREFIX):], num_classes, use_pretrained, dropout,
+                                    {**kwargs, "img_size": img_size})
     else:
         model = _create_timm(name, num_classes, use_pretrained, dropout, {**kwargs, "img_size": img_size})
     if init_checkpoint is not None:
@@ -379,6 +383,7 @@ def _create_torchvision(arch: str, num_classes: int, pretrained: bool, dropout: 
     if arch not in names:
         raise _unknown(TV_PREFIX + arch, [TV_PREFIX + n for n in names], "torchvision")
     weights = torchvision.models.get_model_weights(arch).DEFAULT if pretrained else None
+    kwargs = tv_image_size(arch, weights, kwargs)
     try:
         # Built with its default (ImageNet) head so that pretrained and random models go through
         # the same head replacement below.
@@ -394,6 +399,33 @@ def _create_torchvision(arch: str, num_classes: int, pretrained: bool, dropout: 
         _set_submodule(model, path, nn.Linear(head.in_features, num_classes, bias=head.bias is not None))
     model.pretrained_cfg = _tv_data_config(arch)  # read by timm.data.resolve_data_config
     return model
+
+
+def tv_image_size(arch: str, weights, kwargs: dict) -> dict:
+    """``kwargs`` with the run's ``img_size`` as torchvision's ``image_size`` for a model that takes one (ViT;
+    probed on the meta device), and without it for the others.
+
+    Raises:
+        ValueError: for pretrained weights made for another side (torchvision cannot resample them).
+    """
+    import torchvision
+
+    img_size = kwargs.pop("img_size", None)
+    if not img_size:
+        return kwargs
+    try:
+        with torch.device("meta"):
+            torchvision.models.get_model(arch, image_size=int(img_size), **kwargs)
+    except TypeError as err:
+        if "image_size" in str(err):
+            return kwargs  # a model for any input side (a CNN)
+        raise
+    side = (weights.meta.get("min_size") or (None,))[0] if weights is not None else None
+    if side is not None and side != img_size:
+        raise ValueError(f"img_size={img_size}: the pretrained weights of {TV_PREFIX + arch} are for {side} px images "
+                         f"(torchvision does not resample them); accepted: img_size 0 or {side} with pretrained, any "
+                         f"side without, or a timm ViT (timm resamples the position embeddings)")
+    return {"image_size": int(img_size), **kwargs} if weights is None else kwargs
 
 
 #: what the refusal of ``dropout`` names: the backbones whose dropout it sets

@@ -17,7 +17,14 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from bayeswrap.app.backbones import check_model_name, create_model, data_config, head_parameter_names
+from bayeswrap.app.backbones import (
+    TV_PREFIX,
+    check_model_name,
+    create_model,
+    data_config,
+    head_parameter_names,
+    tv_image_size,
+)
 from bayeswrap.app.config import RunConfig
 from bayeswrap.core import distributed
 from bayeswrap.core.checks import check_device
@@ -251,15 +258,21 @@ def check_backbone(cfg: RunConfig) -> None:
     that a model that cannot take them is refused before any data are loaded.
 
     Raises:
-        ValueError: for a ``dropout`` > 0 on a backbone without dropout (naming those with it), or a model whose
-            constructor refuses the run's ``img_size``.
+        ValueError: for a ``dropout`` > 0 on a backbone without dropout (naming those with it), a model whose
+            constructor refuses the run's ``img_size``, or torchvision weights made for another side.
     """
     if cfg.model == "mlp" or not (cfg.dropout > 0 or cfg.img_size):
         return
+    arguments = _backbone_arguments(cfg, cfg.dataset)
+    if cfg.pretrained and cfg.model.startswith(TV_PREFIX) and arguments["img_size"]:  # weights for one side only
+        import torchvision
+
+        arch = cfg.model[len(TV_PREFIX):]
+        tv_image_size(arch, torchvision.models.get_model_weights(arch).DEFAULT, {"img_size": arguments["img_size"]})
     try:
         with torch.device("meta"):
-            create_model(cfg.model, dataset_classes(cfg) or 2, **_backbone_arguments(cfg, cfg.dataset))
-    except (TypeError, AssertionError) as err:
+            create_model(cfg.model, dataset_classes(cfg) or 2, **arguments)
+    except (TypeError, AssertionError, RuntimeError) as err:
         raise ValueError(f"model={cfg.model!r} cannot be built with img_size={cfg.img_size}, "
                          f"dropout={cfg.dropout}: {err}") from None
 
