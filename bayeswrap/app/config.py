@@ -67,7 +67,7 @@ class RunConfig:
     download: bool = _f(False, "download pets/flowers102 into data_root if missing")
     val_fraction: float = _f(0.5, "fraction of the non-test data held out for validation, in [0, 1)")
     img_size: int = _f(0, "image side for the default transform and the input side of timm models that take one "
-                       "(ViT, Swin: timm's img_size); 0 = the model's default (224; 32 for digits)")
+                       "(timm's img_size: ViT, Swin; torchvision's ViT image_size); 0 = the model's default (224; 32 for digits)")
     # model
     model: str = _f("mlp", "backbone: 'mlp', a timm name (resnet101, vit_large_patch32_224) or tv:<torchvision name>")
     pretrained: bool = _f(False, "load pretrained weights (they become the prior mean; the new head's is zero)")
