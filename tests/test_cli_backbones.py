@@ -87,3 +87,18 @@ def test_pretrained_torchvision_vit_at_another_side_is_refused_before_loading(da
                    *FAST])
     err = capsys.readouterr().err
     assert (rc, data_loads) == (2, []) and "the pretrained weights of tv:vit_b_16 are for 224 px" in err, err
+
+
+def test_a_torchvision_model_takes_gray_images_with_its_first_conv_summed_over_rgb():
+    """The digits are gray: torchvision's first 3-channel conv becomes 1-channel, as timm's in_chans=1 does."""
+    torch.manual_seed(0)
+    rgb = create_model("tv:resnet18", 3)
+    torch.manual_seed(0)
+    gray = create_model("tv:resnet18", 3, in_chans=1)
+    assert gray.conv1.in_channels == 1 and gray.conv1.weight.shape == (64, 1, 7, 7)
+    torch.testing.assert_close(gray.conv1.weight, rgb.conv1.weight.sum(dim=1, keepdim=True))
+    gray.load_state_dict({k: v for k, v in rgb.state_dict().items() if not k.startswith("conv1.")}, strict=False)
+    x = torch.rand(2, 1, 32, 32)
+    torch.testing.assert_close(gray.eval()(x), rgb.eval()(x.expand(2, 3, 32, 32)))  # a gray image as RGB
+    bnn, _, _, _ = build_model(resolve(None, {"model": "tv:resnet18", "method": "map"}), _digits())
+    assert bnn(x).shape == (2, 8)

@@ -256,7 +256,10 @@ def create_model(
             (CNNs) take any side and ignore it. None or 0: the model's default. Not used by
             ``mlp``.
         **kwargs: Extra keyword arguments for ``timm.create_model`` (e.g. ``img_size=32``,
-            ``in_chans=1``) or ``torchvision.models.get_model``.
+            ``in_chans=1``) or ``torchvision.models.get_model``. For torchvision models,
+            ``in_chans`` (e.g. 1 for gray images) replaces the first 3-channel convolution by one
+            with ``in_chans`` channels, its (pretrained) weights summed over the channels as timm's
+            ``in_chans`` does (``timm.models.adapt_input_conv``).
 
     Returns:
         The model, in train mode, on the CPU, float32.
@@ -383,6 +386,7 @@ def _create_torchvision(arch: str, num_classes: int, pretrained: bool, dropout: 
     if arch not in names:
         raise _unknown(TV_PREFIX + arch, [TV_PREFIX + n for n in names], "torchvision")
     weights = torchvision.models.get_model_weights(arch).DEFAULT if pretrained else None
+    in_chans = kwargs.pop("in_chans", 3)
     kwargs = tv_image_size(arch, weights, kwargs)
     try:
         # Built with its default (ImageNet) head so that pretrained and random models go through
@@ -394,6 +398,8 @@ def _create_torchvision(arch: str, num_classes: int, pretrained: bool, dropout: 
         raise _pretrained_failed(TV_PREFIX + arch, err) from err
     if dropout > 0:
         set_dropout(model, dropout, TV_PREFIX + arch)
+    if in_chans != 3:
+        _set_input_channels(model, int(in_chans), TV_PREFIX + arch)
     path, head = find_head(model)
     if head.out_features != num_classes:
         _set_submodule(model, path, nn.Linear(head.in_features, num_classes, bias=head.bias is not None))
@@ -426,6 +432,31 @@ def tv_image_size(arch: str, weights, kwargs: dict) -> dict:
                          f"(torchvision does not resample them); accepted: img_size 0 or {side} with pretrained, any "
                          f"side without, or a timm ViT (timm resamples the position embeddings)")
     return {"image_size": int(img_size), **kwargs} if weights is None else kwargs
+
+
+def _set_input_channels(model: nn.Module, in_chans: int, name: str) -> None:
+    """Replaces the first convolution with 3 input channels by one with ``in_chans``, its weights adapted as timm's
+    ``in_chans`` adapts pretrained ones (``timm.models.adapt_input_conv``: summed over the RGB channels for one).
+
+    Raises:
+        ValueError: if the model has no such convolution.
+    """
+    from timm.models import adapt_input_conv
+
+    for path, conv in model.named_modules():
+        if isinstance(conv, nn.Conv2d) and conv.in_channels == 3:
+            new = nn.Conv2d(in_chans, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                            conv.groups, conv.bias is not None, conv.padding_mode, device=conv.weight.device,
+                            dtype=conv.weight.dtype)
+            if conv.weight.device.type != "meta":
+                with torch.no_grad():
+                    new.weight.copy_(adapt_input_conv(in_chans, conv.weight))
+                    if conv.bias is not None:
+                        new.bias.copy_(conv.bias)
+            _set_submodule(model, path, new)
+            return
+    raise ValueError(f"model {name!r} has no convolution with 3 input channels to adapt to {in_chans}-channel images; "
+                     "accepted: an RGB dataset, or a timm model (in_chans)")
 
 
 #: what the refusal of ``dropout`` names: the backbones whose dropout it sets

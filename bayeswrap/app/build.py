@@ -248,7 +248,7 @@ def _backbone_arguments(cfg: RunConfig, info_dataset: str, input_size: int | Non
     extra: dict = {"dropout": cfg.dropout, "img_size": side}
     if cfg.model == "mlp":
         extra["in_features"] = input_size if input_size is not None else 64
-    elif info_dataset in ("digits", "mnist5k") and not cfg.model.startswith("tv:"):
+    elif info_dataset in ("digits", "mnist5k"):  # gray images: a timm model's or torchvision's first conv adapted
         extra["in_chans"] = 1
     return extra
 
