@@ -8,51 +8,52 @@
 The package is layered; imports point down this list only (checked by
 import-linter in CI): ``app`` → ``training`` → ``methods`` → ``predictive`` →
 ``optim``, ``data``, ``evaluation`` → ``core``.
+
+The public names are imported on first use (:mod:`bayeswrap._api`): ``import bayeswrap`` imports neither
+torch nor the application layer, so the ``bayeswrap`` command line answers ``--help`` and refuses a bad option
+without the library's import time.
 """
+
+import importlib
+import importlib.util
 
 from bayeswrap import _compat
 
 _compat.install()  # old module paths (bayeswrap.core.functional, bayeswrap.app.cli, ...) keep working
 
-from bayeswrap import calibration, evaluation, optim, uncertainty
-from bayeswrap._version import __version__
-from bayeswrap.core import samples, schedules
-from bayeswrap.core.schedules import KLSchedule
-from bayeswrap.evaluation import convergence as diagnostics
-from bayeswrap.evaluation import tuning
-from bayeswrap.methods import (
-    METHODS,
-    BayesianModel,
-    LossOutput,
-    NotFittedError,
-    method_options,
-    predictives,
-    sparsity,
-    wrap,
-)
-from bayeswrap.methods.persistence import load, save
-from bayeswrap.predictive import evaluate, predict_loader, sample_probs_loader
-from bayeswrap.training import fit
+from bayeswrap._version import __version__  # noqa: F401 (public)
 
-#: the method classes, one public name each, derived from the registry
-for _cls in dict.fromkeys(METHODS.values()):
-    globals()[_cls.__name__] = _cls
-del _cls
+_loading = False
 
-__all__ = ["wrap", "fit", "save", "load", "evaluate", "predict_loader", "sample_probs_loader", "BayesianModel",
-           "LossOutput", "NotFittedError", "METHODS", "method_options", *(c.__name__ for c in dict.fromkeys(METHODS.values())),
-           "optim", "schedules", "KLSchedule", "sparsity", "calibration", "diagnostics", "evaluation",
-           "uncertainty", "samples", "tuning", "predictives", "load_run", "__version__"]
+
+def _load_api() -> None:
+    """Puts the public names of :mod:`bayeswrap._api` (and the method classes) into this module."""
+    global _loading
+    _loading = True  # while _api imports submodules, ``from bayeswrap import x`` must not come back here
+    try:
+        api = importlib.import_module("bayeswrap._api")
+    finally:
+        _loading = False
+    globals().update({name: getattr(api, name) for name in api.__all__})
+    globals()["__all__"] = [*api.__all__[:-1], "load_run", "__version__"]
 
 
 def __getattr__(name: str):
-    """``bw.load_run``, imported on first use: ``import bayeswrap`` loads no module of the application layer."""
+    """The public names, imported on first use; ``bw.load_run`` imports the application layer only then."""
     if name == "load_run":
         from bayeswrap.app.runs import load_run
 
         return load_run
+    if not _loading and "__all__" not in globals() and (name == "__all__" or not name.startswith("_")):
+        if name != "__all__" and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")  # a submodule (``from bayeswrap import optim``)
+        _load_api()
+        if name in globals():
+            return globals()[name]
     raise AttributeError(f"module 'bayeswrap' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
+    if "__all__" not in globals():
+        _load_api()
     return sorted({*globals(), "load_run"})

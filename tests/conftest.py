@@ -117,3 +117,19 @@ def load_script(filename: str):
     import importlib
 
     return importlib.import_module(f"scripts.{Path(filename).stem}")
+
+
+@pytest.fixture
+def data_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The calls of the command line's data loader, each of which raises: a command that reaches the loader has
+    passed every check (``rc == 1``, ``"load_data was called"`` on stderr)."""
+    from bayeswrap.app import build
+
+    calls: list[str] = []
+
+    def load_data(*args, **kwargs):
+        calls.append("load_data")
+        raise RuntimeError("load_data was called")
+
+    monkeypatch.setattr(build, "load_data", load_data)
+    return calls

@@ -126,7 +126,7 @@ def test_a_registered_method_appears_in_wrap_the_cli_and_compare(toy, tmp_path, 
     assert bnn.regularizer().item() == 0.0  # at the prior mean
     # the CLI: a flag from the constructor, with the docstring's help, validated by the constructor
     with pytest.raises(SystemExit):
-        cli.make_parser().parse_args(["fit", "--help"])
+        cli.make_parser().parse_args(["fit", "--method", "toy", "--help"])
     assert "--toy-scale" in capsys.readouterr().out
     assert resolve(None, {"method": "toy", "toy_scale": "0.5"}).option("toy_scale") == 0.5
     with pytest.raises(ValueError, match=r"toy_scale=-1.0 must be a number > 0"):
@@ -264,7 +264,7 @@ assert '| `"toy"` | `Toy` | A MAP variant whose prior penalty is scaled (a test 
 assert resolve(None, {"method": "toy", "toy_scale": "0.25"}).option("toy_scale") == 0.25
 out = io.StringIO()
 with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-    cli.make_parser().parse_args(["fit", "--help"])
+    cli.make_parser().parse_args(["fit", "--method", "toy", "--help"])
 assert "--toy-scale" in out.getvalue()
 print("ok")
 '''

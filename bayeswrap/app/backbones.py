@@ -53,6 +53,8 @@ __all__ = [
     "head_parameter_names",
     "load_checkpoint",
     "load_state_dict_file",
+    "set_dropout",
+    "tv_image_size",
 ]
 
 #: Prefix that selects a torchvision model, e.g. ``"tv:resnet101"``.
@@ -220,6 +222,7 @@ def create_model(
     in_features: int | None = None,
     hidden_sizes: Sequence[int] = DEFAULT_MLP_HIDDEN,
     dropout: float = 0.0,
+    img_size: int | None = None,
     **kwargs: Any,
 ) -> nn.Module:
     """Build a classifier by name with a ``num_classes``-way head.
@@ -242,17 +245,29 @@ def create_model(
         in_features: ``mlp`` only, required: flattened input size (64 for digits).
         hidden_sizes: ``mlp`` only: hidden widths (default :data:`DEFAULT_MLP_HIDDEN`).
         dropout: ``mlp``: dropout after each hidden layer. timm: passed as ``drop_rate``
-            (dropout before the head) when > 0. torchvision: passed as ``dropout`` when
-            > 0 (for models that accept it).
+            (dropout before the head) when > 0. torchvision: the probability of every
+            dropout layer of the model (what the builders' ``dropout`` argument sets, for
+            VGG, AlexNet, ViT, EfficientNet, MobileNet, ...); a torchvision model without
+            dropout layers (ResNet, ...) refuses a ``dropout`` > 0.
+        img_size: the input side the model is built for, for the models whose constructor
+            takes one: timm's ``img_size`` (ViT, DeiT, Swin, ...: as timm's ``--input-size``;
+            pretrained position embeddings are resampled by timm), torchvision's
+            ``image_size`` (ViT; its pretrained weights only at their own side). Others
+            (CNNs) take any side and ignore it. None or 0: the model's default. Not used by
+            ``mlp``.
         **kwargs: Extra keyword arguments for ``timm.create_model`` (e.g. ``img_size=32``,
-            ``in_chans=1``) or ``torchvision.models.get_model``.
+            ``in_chans=1``) or ``torchvision.models.get_model``. For torchvision models,
+            ``in_chans`` (e.g. 1 for gray images) replaces the first 3-channel convolution by one
+            with ``in_chans`` channels, its (pretrained) weights summed over the channels as timm's
+            ``in_chans`` does (``timm.models.adapt_input_conv``).
 
     Returns:
         The model, in train mode, on the CPU, float32.
 
     Raises:
         ValueError: Unknown name (the message suggests close matches), ``mlp`` without
-            ``in_features`` or with ``pretrained``, or a non-positive ``num_classes``.
+            ``in_features`` or with ``pretrained``, a non-positive ``num_classes``, or a
+            ``dropout`` > 0 for a model that has no dropout to set (naming the families that do).
         PretrainedWeightsError: Pretrained weights could not be downloaded; the message
             suggests ``--init-checkpoint``.
         CheckpointError: ``init_checkpoint`` is missing, unreadable or mismatched.
@@ -267,9 +282,10 @@ def create_model(
             raise ValueError("the 'mlp' model needs in_features (the flattened input size, 64 for digits)")
         model: nn.Module = MLP(in_features, num_classes, hidden_sizes, dropout)
     elif name.startswith(TV_PREFIX):
-        model = _create_torchvision(name[len(TV_PREFIX):], num_classes, use_pretrained, dropout, kwargs)
+        model = _create_torchvision(name[len(TV_PREFIX):], num_classes, use_pretrained, dropout,
+                                    {**kwargs, "img_size": img_size})
     else:
-        model = _create_timm(name, num_classes, use_pretrained, dropout, kwargs)
+        model = _create_timm(name, num_classes, use_pretrained, dropout, {**kwargs, "img_size": img_size})
     if init_checkpoint is not None:
         loaded = load_checkpoint(model, init_checkpoint)
         if not loaded.head_loaded:
@@ -293,8 +309,7 @@ def _create_timm(name: str, num_classes: int, pretrained: bool, dropout: float, 
     arch = name.split(".", 1)[0]  # drop a pretrained tag such as ".a1_in1k"
     if not timm.is_model(arch):
         raise _unknown(name, ["mlp", *timm.list_models(), *(TV_PREFIX + n for n in _tv_models())], "timm")
-    if dropout > 0:
-        kwargs = {"drop_rate": dropout, **kwargs}
+    kwargs = _timm_arguments(name, num_classes, dropout, kwargs)
     if not pretrained:
         return timm.create_model(name, pretrained=False, num_classes=num_classes, **kwargs)
     offline = hub_offline()
@@ -370,9 +385,9 @@ def _create_torchvision(arch: str, num_classes: int, pretrained: bool, dropout: 
     names = _tv_models()
     if arch not in names:
         raise _unknown(TV_PREFIX + arch, [TV_PREFIX + n for n in names], "torchvision")
-    if dropout > 0:
-        kwargs = {"dropout": dropout, **kwargs}
     weights = torchvision.models.get_model_weights(arch).DEFAULT if pretrained else None
+    in_chans = kwargs.pop("in_chans", 3)
+    kwargs = tv_image_size(arch, weights, kwargs)
     try:
         # Built with its default (ImageNet) head so that pretrained and random models go through
         # the same head replacement below.
@@ -381,11 +396,125 @@ def _create_torchvision(arch: str, num_classes: int, pretrained: bool, dropout: 
         if not pretrained:
             raise
         raise _pretrained_failed(TV_PREFIX + arch, err) from err
+    if dropout > 0:
+        set_dropout(model, dropout, TV_PREFIX + arch)
+    if in_chans != 3:
+        _set_input_channels(model, int(in_chans), TV_PREFIX + arch)
     path, head = find_head(model)
     if head.out_features != num_classes:
         _set_submodule(model, path, nn.Linear(head.in_features, num_classes, bias=head.bias is not None))
     model.pretrained_cfg = _tv_data_config(arch)  # read by timm.data.resolve_data_config
     return model
+
+
+def tv_image_size(arch: str, weights, kwargs: dict) -> dict:
+    """``kwargs`` with the run's ``img_size`` as torchvision's ``image_size`` for a model that takes one (ViT;
+    probed on the meta device), and without it for the others.
+
+    Raises:
+        ValueError: for pretrained weights made for another side (torchvision cannot resample them).
+    """
+    import torchvision
+
+    img_size = kwargs.pop("img_size", None)
+    if not img_size:
+        return kwargs
+    try:
+        with torch.device("meta"):
+            torchvision.models.get_model(arch, image_size=int(img_size), **kwargs)
+    except TypeError as err:
+        if "image_size" in str(err):
+            return kwargs  # a model for any input side (a CNN)
+        raise
+    side = (weights.meta.get("min_size") or (None,))[0] if weights is not None else None
+    if side is not None and side != img_size:
+        raise ValueError(f"img_size={img_size}: the pretrained weights of {TV_PREFIX + arch} are for {side} px images "
+                         f"(torchvision does not resample them); accepted: img_size 0 or {side} with pretrained, any "
+                         f"side without, or a timm ViT (timm resamples the position embeddings)")
+    return {"image_size": int(img_size), **kwargs} if weights is None else kwargs
+
+
+def _set_input_channels(model: nn.Module, in_chans: int, name: str) -> None:
+    """Replaces the first convolution with 3 input channels by one with ``in_chans``, its weights adapted as timm's
+    ``in_chans`` adapts pretrained ones (``timm.models.adapt_input_conv``: summed over the RGB channels for one).
+
+    Raises:
+        ValueError: if the model has no such convolution.
+    """
+    from timm.models import adapt_input_conv
+
+    for path, conv in model.named_modules():
+        if isinstance(conv, nn.Conv2d) and conv.in_channels == 3:
+            new = nn.Conv2d(in_chans, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+                            conv.groups, conv.bias is not None, conv.padding_mode, device=conv.weight.device,
+                            dtype=conv.weight.dtype)
+            if conv.weight.device.type != "meta":
+                with torch.no_grad():
+                    new.weight.copy_(adapt_input_conv(in_chans, conv.weight))
+                    if conv.bias is not None:
+                        new.bias.copy_(conv.bias)
+            _set_submodule(model, path, new)
+            return
+    raise ValueError(f"model {name!r} has no convolution with 3 input channels to adapt to {in_chans}-channel images; "
+                     "accepted: an RGB dataset, or a timm model (in_chans)")
+
+
+#: what the refusal of ``dropout`` names: the backbones whose dropout it sets
+DROPOUT_FAMILIES = ("mlp (after each hidden layer)", "timm models (drop_rate, before the head)",
+                    "torchvision models with dropout layers (e.g. tv:vgg11, tv:alexnet, tv:vit_b_16, "
+                    "tv:efficientnet_b0, tv:mobilenet_v3_small)")
+
+
+def set_dropout(model: nn.Module, p: float, name: str = "") -> int:
+    """Sets the probability of every dropout layer (``nn.Dropout``, ``nn.Dropout1d/2d/3d``, ``nn.AlphaDropout``)
+    of ``model`` to ``p``, as a torchvision builder's ``dropout`` argument does.
+
+    Returns:
+        The number of layers set.
+
+    Raises:
+        ValueError: if the model has no dropout layer, naming the backbones whose dropout can be set.
+    """
+    layers = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    if not layers:
+        raise ValueError(f"dropout={p!r}: model {name or type(model).__name__!r} has no dropout layer to set; "
+                         f"accepted: dropout 0 with this model, or a backbone with dropout: "
+                         f"{', '.join(DROPOUT_FAMILIES)}")
+    for layer in layers:
+        layer.p = float(p)
+    return len(layers)
+
+
+def _timm_arguments(name: str, num_classes: int, dropout: float, kwargs: dict) -> dict:
+    """The keyword arguments of ``timm.create_model`` for ``name``: ``drop_rate`` for a dropout > 0, and
+    ``img_size`` only for a model whose constructor takes it (probed by building it on the meta device).
+
+    Raises:
+        ValueError: for a dropout > 0 that the model's constructor does not take.
+    """
+    import timm
+
+    img_size = kwargs.pop("img_size", None)
+    if dropout > 0:
+        kwargs = {"drop_rate": dropout, **kwargs}
+    if not img_size and not dropout > 0:
+        return kwargs
+    with torch.device("meta"):  # no memory, no weights: the constructor's arguments only
+        for extra in ({"img_size": int(img_size)} if img_size else {}, {}):
+            try:
+                timm.create_model(name, pretrained=False, num_classes=num_classes, **kwargs, **extra)
+            except TypeError as err:
+                if "drop_rate" in str(err):
+                    raise ValueError(f"dropout={dropout!r}: timm model {name!r} does not take drop_rate; accepted: "
+                                     f"dropout 0 with this model, or a backbone with dropout: "
+                                     f"{', '.join(DROPOUT_FAMILIES)}") from None
+                if "img_size" in str(err) and extra:
+                    continue  # a model for any input size (a CNN)
+                raise
+            except Exception:  # noqa: BLE001 - anything else is for the real build to report
+                return {**kwargs, **extra}
+            return {**kwargs, **extra}
+    return kwargs
 
 
 def _tv_data_config(arch: str) -> dict[str, Any]:

@@ -17,7 +17,14 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from bayeswrap.app.backbones import check_model_name, create_model, data_config, head_parameter_names
+from bayeswrap.app.backbones import (
+    TV_PREFIX,
+    check_model_name,
+    create_model,
+    data_config,
+    head_parameter_names,
+    tv_image_size,
+)
 from bayeswrap.app.config import RunConfig
 from bayeswrap.core import distributed
 from bayeswrap.core.checks import check_device
@@ -164,12 +171,22 @@ def data_info(splits: DataSplits, cfg: RunConfig) -> DataInfo:
                     steps_per_epoch=(len(splits.train) + cfg.batch_size - 1) // cfg.batch_size)
 
 
+def run_data_config(cfg: RunConfig, model: torch.nn.Module) -> dict | None:
+    """The pretrained model's timm data config (:func:`~bayeswrap.app.backbones.data_config`), at the run's
+    ``img_size`` where one is set (the side the model was built for).
+    """
+    config = data_config(model)
+    if config is not None and cfg.img_size:
+        config = {**config, "input_size": (config["input_size"][0], cfg.img_size, cfg.img_size)}
+    return config
+
+
 def load_splits(cfg: RunConfig, model: torch.nn.Module | None = None):
     """The run's data splits (held-out classes removed) and the held-out-class test set (or None)."""
     is_mlp = cfg.model == "mlp"
     kwargs = dict(root=cfg.data_root, download=cfg.download, val_fraction=cfg.val_fraction, seed=cfg.seed)
     if model is not None:
-        splits = load_data(cfg.dataset, **kwargs, data_config=data_config(model))
+        splits = load_data(cfg.dataset, **kwargs, data_config=run_data_config(cfg, model))
     else:
         splits = load_data(cfg.dataset, **kwargs, flatten=is_mlp,
                            img_size=cfg.img_size or (None if cfg.dataset != "digits" or is_mlp else 32))
@@ -205,6 +222,7 @@ def preflight(cfg: RunConfig) -> None:
             raise ValueError(f"init_checkpoint={cfg.init_checkpoint!r} {f'is {kind}' if kind else 'does not exist'}; "
                              "accepted: a local weights file (.safetensors, or a torch.save state dict)")
     check_device("device", cfg.device, available=True)
+    check_backbone(cfg)
     classes = cfg.held_out_classes(cfg.dataset)
     num_classes = dataset_classes(cfg)
     if not classes or num_classes is None:
@@ -220,6 +238,43 @@ def preflight(cfg: RunConfig) -> None:
     if len(classes) >= num_classes:
         raise ValueError(f"ood_classes={cfg.ood_classes!r} holds out all {num_classes} classes of {cfg.dataset}, "
                          f"leaving none to train on; {accepted}")
+
+
+def _backbone_arguments(cfg: RunConfig, info_dataset: str, input_size: int | None = None) -> dict:
+    """The keyword arguments of :func:`~bayeswrap.app.backbones.create_model` that the run's options set."""
+    # the model's input side is the data's: img_size, else 32 for the digits (see load_splits), else the
+    # model's default (which a pretrained model's data config then gives the data)
+    side = cfg.img_size or (32 if info_dataset == "digits" and not cfg.pretrained else None)
+    extra: dict = {"dropout": cfg.dropout, "img_size": side}
+    if cfg.model == "mlp":
+        extra["in_features"] = input_size if input_size is not None else 64
+    elif info_dataset in ("digits", "mnist5k"):  # gray images: a timm model's or torchvision's first conv adapted
+        extra["in_chans"] = 1
+    return extra
+
+
+def check_backbone(cfg: RunConfig) -> None:
+    """Builds the backbone on the meta device (no memory, no weights) when ``dropout`` or ``img_size`` is set, so
+    that a model that cannot take them is refused before any data are loaded.
+
+    Raises:
+        ValueError: for a ``dropout`` > 0 on a backbone without dropout (naming those with it), a model whose
+            constructor refuses the run's ``img_size``, or torchvision weights made for another side.
+    """
+    if cfg.model == "mlp" or not (cfg.dropout > 0 or cfg.img_size):
+        return
+    arguments = _backbone_arguments(cfg, cfg.dataset)
+    if cfg.pretrained and cfg.model.startswith(TV_PREFIX) and arguments["img_size"]:  # weights for one side only
+        import torchvision
+
+        arch = cfg.model[len(TV_PREFIX):]
+        tv_image_size(arch, torchvision.models.get_model_weights(arch).DEFAULT, {"img_size": arguments["img_size"]})
+    try:
+        with torch.device("meta"):
+            create_model(cfg.model, dataset_classes(cfg) or 2, **arguments)
+    except (TypeError, AssertionError, RuntimeError) as err:
+        raise ValueError(f"model={cfg.model!r} cannot be built with img_size={cfg.img_size}, "
+                         f"dropout={cfg.dropout}: {err}") from None
 
 
 def dataset_classes(cfg: RunConfig) -> int | None:
@@ -261,15 +316,11 @@ def build_model(cfg: RunConfig, info: DataInfo, *, for_evaluation: bool = False)
     is_mlp = cfg.model == "mlp"
     pretrained = cfg.pretrained and not for_evaluation
     init_checkpoint = None if for_evaluation else (cfg.init_checkpoint or None)
-    extra = {}
-    if is_mlp:
-        extra["in_features"] = int(math.prod(info.input_shape))
-    elif info.dataset in ("digits", "mnist5k") and not cfg.model.startswith("tv:"):
-        extra["in_chans"] = 1
+    extra = _backbone_arguments(cfg, info.dataset, int(math.prod(info.input_shape)) if is_mlp else None)
     model = create_model(cfg.model, info.num_classes, pretrained=pretrained, init_checkpoint=init_checkpoint,
-                         dropout=cfg.dropout, **extra)
+                         **extra)
     head = head_parameter_names(model)
-    patterns = [p.strip() for p in cfg.params.split(",") if p.strip()] or None
+    patterns = params_selector(cfg.params)
     bayesian = select_parameters(model, patterns)
     if cfg.prior_mean == "auto" and cfg.pretrained and not cfg.init_checkpoint:
         # BayesDLL: the pretrained body is the prior mean, the new head's prior mean is zero
@@ -285,6 +336,16 @@ def build_model(cfg: RunConfig, info: DataInfo, *, for_evaluation: bool = False)
                bias=cfg.bias, params=patterns, kl_weight=cfg.kl_weight, **options)
     device = device_of(cfg.device)
     return bnn.to(device), head, device, model
+
+
+def params_selector(text: str) -> str | list[str] | None:
+    """The ``params`` of :func:`bayeswrap.wrap` that the ``params`` option spells: ``last_layer`` (the classifier's
+    weight and bias, as ``bw.wrap(params="last_layer")``), comma-separated glob patterns, or None (empty: every
+    trainable parameter).
+    """
+    if text.strip() == "last_layer":
+        return "last_layer"
+    return [p.strip() for p in text.split(",") if p.strip()] or None
 
 
 def input_transform(cfg: RunConfig, info: DataInfo, model: torch.nn.Module):
@@ -308,7 +369,7 @@ def input_transform(cfg: RunConfig, info: DataInfo, model: torch.nn.Module):
 
         return transform
     if cfg.pretrained and cfg.model != "mlp":
-        tf = build_transforms(data_config=data_config(model))[1]
+        tf = build_transforms(data_config=run_data_config(cfg, model))[1]
     else:
         tf = build_transforms(img_size=cfg.img_size or None)[1]
     return lambda image: tf(image.convert("RGB"))

@@ -15,129 +15,41 @@ trains and evaluates (identical replicas); the final reports are computed on ran
 
 from __future__ import annotations
 
-import argparse
-import csv
-import dataclasses
-import io as _stdio
 import logging
 import math
 import os
 import sys
 from pathlib import Path
 
-import yaml
+from bayeswrap.app.cli_parser import check_args, int_list, make_parser, method_hint, parse
 
-from bayeswrap.app import runs
-from bayeswrap.app.build import device_of
-from bayeswrap.app.compare import compare_methods, run_compare
-from bayeswrap.app.config import FIELDS, RESUME_ALLOWED, resolve
-from bayeswrap.app.options import all_option_specs, option_specs, option_users
-from bayeswrap.app.reports import markdown_table, predict_rows
-from bayeswrap.app.runner import RunInterrupted, evaluate_run, resume_config, run_fit
-from bayeswrap.core import distributed
-from bayeswrap.core.checks import MAX_PREDICTIVE_SAMPLES, check_device, check_seed
-from bayeswrap.core.io import remove_stale_tmp_of, write_text
-from bayeswrap.data.datasets import DataError
-from bayeswrap.data.inputs import load_inputs
-from bayeswrap.methods import METHODS
-
-__all__ = ["main", "make_parser", "run_fit", "run_compare", "evaluate_run", "resume_config", "RunInterrupted"]
+__all__ = ["main", "make_parser"]  # and, imported on first use, those of _LAZY
 
 log = logging.getLogger("bayeswrap")
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"--num-samples {text!r} must be comma-separated integers, e.g. 0,5") from None
-    if not values or min(values) < 0:
-        raise ValueError(f"--num-samples {text!r} must list integers >= 0")
-    return values
+#: names this module has re-exported from the application (imported on first use: ``--help`` imports no torch)
+_LAZY = {"run_fit": "bayeswrap.app.runner", "evaluate_run": "bayeswrap.app.runner",
+         "resume_config": "bayeswrap.app.runner", "RunInterrupted": "bayeswrap.app.runner",
+         "run_compare": "bayeswrap.app.compare"}
 
 
-def _add_config_options(parser: argparse.ArgumentParser, skip=()) -> None:
-    parser.add_argument("-c", "--config", help="YAML file with option defaults (command-line flags override it)")
-    for name, f in FIELDS.items():
-        if name in skip or name == "method_options":
-            continue
-        flag = "--" + name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        shown = yaml.safe_dump(default, default_flow_style=True).strip() if isinstance(default, dict) else \
-            repr(default)
-        help_text = f"{f.metadata['help']} (default: {shown})"
-        if name == "amp":  # a bare --amp (the older boolean flag) is bf16
-            parser.add_argument(flag, nargs="?", const="bf16", default=argparse.SUPPRESS, dest=name,
-                                metavar="{none,bf16,fp16}", help=help_text)
-        elif isinstance(default, bool):
-            parser.add_argument(flag, nargs="?", const="true", default=argparse.SUPPRESS, dest=name,
-                                metavar="BOOL", help=help_text)
-        else:
-            metavar = {dict: "YAML", int: "INT", float: "FLOAT", str: "STR"}[type(default)]
-            parser.add_argument(flag, default=argparse.SUPPRESS, dest=name, metavar=metavar, help=help_text)
-    group = parser.add_argument_group("method options", "read from the method classes: each flag is an argument of "
-                                      "the methods named, and an unset flag keeps that method's default")
-    users = option_users()
-    for name, spec in all_option_specs().items():
-        if name in FIELDS or name in skip:
-            continue
-        defaults = {m: option_specs(m)[name].default for m in users[name]}
-        shown = ", ".join(f"{m}: {d!r}" for m, d in defaults.items()) if len(set(map(repr, defaults.values()))) > 1 \
-            else repr(spec.default)
-        kind = type(spec.default)
-        metavar = {bool: "BOOL", int: "INT", float: "FLOAT", str: "STR", tuple: "LIST"}.get(kind, "VALUE")
-        help_text = f"({', '.join(users[name])}) {spec.help} (default: {shown})".replace("%", "%%")
-        if kind is bool:
-            group.add_argument("--" + name.replace("_", "-"), nargs="?", const="true", default=argparse.SUPPRESS,
-                               dest=name, metavar=metavar, help=help_text)
-        else:
-            group.add_argument("--" + name.replace("_", "-"), default=argparse.SUPPRESS, dest=name, metavar=metavar,
-                               help=help_text)
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
 
-
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bayeswrap", description="Bayesian fine-tuning of any PyTorch model.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_fit = sub.add_parser("fit", help="train one method and write a run folder")
-    _add_config_options(p_fit)
-    p_fit.add_argument("--resume", metavar="RUN_DIR", default=None,
-                       help="continue the run in RUN_DIR from its last checkpoint, with its own config.yaml; "
-                            f"only these options may change: {', '.join(RESUME_ALLOWED)}")
-    p_cmp = sub.add_parser("compare", help="run several methods on the same data and split; write a table")
-    _add_config_options(p_cmp, skip=("method", "num_samples"))
-    p_cmp.add_argument("--methods", default=",".join(compare_methods()),
-                       help=f"comma-separated methods (default: {','.join(compare_methods())}; also: "
-                            f"{','.join(m for m in METHODS if m not in compare_methods())})")
-    p_cmp.add_argument("--num-samples", default="0,5", dest="num_samples_list",
-                       help="comma-separated posterior sample counts S (default: 0,5)")
-    p_cmp.add_argument("--no-tune", action="store_false", dest="tune",
-                       help="skip the tuning of each method's key option and prior std by validation NLL "
-                            "(bayeswrap.evaluation.tuning); use the configured values")
-    p_cmp.add_argument("--resume", metavar="COMPARE_DIR", default=None,
-                       help="continue an interrupted comparison in COMPARE_DIR with its own compare.yaml (finished "
-                            "methods are kept)")
-    p_ev = sub.add_parser("evaluate", help="re-evaluate a saved run (calibration, shift, OOD) with another number "
-                                           "of samples")
-    p_ev.add_argument("run_dir", help="a run folder written by fit/compare")
-    p_ev.add_argument("--num-samples", default=None, help="S (default: the run's num_samples)")
-    p_pr = sub.add_parser("predict", help="predict new inputs with a saved run: class, probabilities, entropy and "
-                                          "mutual information per input, as CSV")
-    p_pr.add_argument("run_dir", help="a finished run folder written by fit/compare")
-    p_pr.add_argument("inputs", help="an image file, a folder of images (searched recursively) or a .npy array of "
-                                     "model inputs (N, *input_shape)")
-    p_pr.add_argument("--num-samples", default=None, help="posterior samples S (default: the run's num_samples)")
-    p_pr.add_argument("--out", default="predictions.csv", help="CSV file to write (default: predictions.csv); "
-                                                               "written atomically, never inside RUN_DIR's files")
-    p_pr.add_argument("--batch-size", default="128", help="inputs per forward pass (default: 128)")
-    p_pr.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    p_pr.add_argument("--device", default=None, help="device: auto, cpu, cuda, cuda:N or mps, where available "
-                                                     "(default: the run's)")
-    p_pr.add_argument("--seed", default="0", help="seed of the posterior samples, an integer in [0, 2^63 - 1] "
-                                                  "(default: 0)")
-    return parser
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'bayeswrap.app.cli' has no attribute {name!r}")
 
 
 def _predict_command(args) -> int:
+    import csv
+    import io as _stdio
+
+    from bayeswrap.app import runs
+    from bayeswrap.app.reports import predict_rows
+    from bayeswrap.core.checks import MAX_PREDICTIVE_SAMPLES, check_device, check_seed
+    from bayeswrap.core.io import remove_stale_tmp_of, write_text
+    from bayeswrap.data.inputs import load_inputs
 
     s = None if args.num_samples is None else _count("num_samples", args.num_samples, 0, MAX_PREDICTIVE_SAMPLES)
     batch_size = _count("batch_size", args.batch_size, 1)
@@ -180,10 +92,35 @@ def main(argv: list[str] | None = None) -> int:
     disk, unreachable pretrained weights) and 130 on Ctrl-C, with one line
     naming the command that resumes the run.
     """
-    args = make_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(make_parser(method_hint(argv)), argv)  # --help and unknown flags end here, before any torch import
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     for handler in logging.getLogger().handlers:  # the terminal gets warnings; train.log gets everything
         handler.setLevel(logging.WARNING)
+    prefix = "bayeswrap"
+    try:
+        check_args(args)  # a value's type or choice, the method's name: before the library is imported
+        return _run(args)
+    except (ValueError, FileNotFoundError, PermissionError) as err:
+        print(f"{prefix}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prefix}: interrupted before a run folder was written; nothing to resume", file=sys.stderr)
+        return 130
+
+
+def _run(args) -> int:
+    """Runs a parsed, checked command (imports the library); returns the exit status."""
+    from bayeswrap.app.build import device_of
+    from bayeswrap.app.compare import run_compare
+    from bayeswrap.app.config import FIELDS, resolve
+    from bayeswrap.app.options import option_users
+    from bayeswrap.app.reports import markdown_table
+    from bayeswrap.app.runner import RunInterrupted, evaluate_run, resume_config, run_fit
+    from bayeswrap.core import distributed
+    from bayeswrap.core.checks import MAX_PREDICTIVE_SAMPLES
+    from bayeswrap.data.datasets import DataError
+
     prefix = "bayeswrap"
     try:
         world = distributed.env_world_size()
@@ -244,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"-c {args.config} cannot be given with --resume: the comparison's own "
                              f"{Path(args.resume) / 'compare.yaml'} is used")
         base, rows = run_compare(args.config, overrides, [m.strip() for m in args.methods.split(",") if m.strip()],
-                                 _int_list(args.num_samples_list), tune_options=args.tune, resume=args.resume)
+                                 int_list(args.num_samples_list), tune_options=args.tune, resume=args.resume)
         print(markdown_table(rows))
         print(f"written: {base / 'comparison.md'}, {base / 'comparison.csv'} and figures in {base}")
         return 0

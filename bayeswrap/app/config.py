@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import yaml
 
-from bayeswrap.app.options import StrictLoader, coerce_option, option_specs, option_users, parse_bool
+from bayeswrap.app.options import coerce_option, option_specs, option_users
+from bayeswrap.app.values import StrictLoader, parse_bool, parse_number, unknown_name
 from bayeswrap.core.checks import MAX_PREDICTIVE_SAMPLES, SCALE_RANGE, check_device
 from bayeswrap.core.io import file_kind
 from bayeswrap.data.corruptions import CORRUPTIONS, SEVERITIES, corruption_names, require_library
@@ -65,19 +66,23 @@ class RunConfig:
     data_root: str = _f("data", "data directory (torchvision layout; imagefolder: root/train, root/test)")
     download: bool = _f(False, "download pets/flowers102 into data_root if missing")
     val_fraction: float = _f(0.5, "fraction of the non-test data held out for validation, in [0, 1)")
-    img_size: int = _f(0, "image side for the default transform; 0 = the model's default (224)")
+    img_size: int = _f(0, "image side for the default transform and the input side of timm models that take one "
+                       "(timm's img_size: ViT, Swin; torchvision's ViT image_size); 0 = the model's default (224; 32 for digits)")
     # model
     model: str = _f("mlp", "backbone: 'mlp', a timm name (resnet101, vit_large_patch32_224) or tv:<torchvision name>")
     pretrained: bool = _f(False, "load pretrained weights (they become the prior mean; the new head's is zero)")
     init_checkpoint: str = _f("", "local weights file (safetensors or torch) used as initial weights and prior mean")
     dropout: float = _f(0.0, "the backbone's own dropout: mlp after each hidden layer, timm drop_rate, torchvision "
-                                "dropout (0 = none; mc_dropout --mode layers samples it)")
+                                "every dropout layer (VGG, ViT, EfficientNet, MobileNet; refused for models without "
+                                "one, e.g. tv:resnet18); 0 = none; mc_dropout --mode layers samples it")
     # inference method
     method: str = _f("vi", "inference method: " + ", ".join(METHODS))
     prior_std: float = _f(1.0, "prior std σ of N(θ̄, σ² I) (BayesDLL prior_sig)")
     prior_mean: str = _f("auto", "θ̄: auto (pretrained/init-checkpoint weights, else zero), init, zero")
     bias: str = _f("informative", "bias prior: informative, uninformative (mc_dropout: gaussian, spikymix, ignore)")
-    params: str = _f("", "comma-separated glob patterns of the Bayesian parameters; empty = all")
+    params: str = _f("", "the Bayesian parameters: last_layer (the classifier's weight and bias, as "
+                     "bw.wrap(params='last_layer')), comma-separated glob patterns over parameter names (fc.*,head.*) "
+                     "or empty = all trainable ones")
     kl_weight: float = _f(1.0, "weight of the KL/prior term (BayesDLL kld)")
     num_data_inflate: float = _f(1.0, "num_data = train size x this factor (BayesDLL Ninflate)")
     num_samples: int = _f(5, "posterior samples S for test predictions (0 = posterior mean; at most "
@@ -143,11 +148,11 @@ class RunConfig:
             ValueError: naming the bad value and the accepted ones.
         """
         if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r} is not known; accepted: {', '.join(METHODS)}")
+            raise ValueError(unknown_name("method", self.method, METHODS))
         self.amp = amp_value(self.amp)  # older configs and callers: True/False
         for name, accepted in CHOICES.items():
             if getattr(self, name) not in accepted:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not known; accepted: {', '.join(accepted)}")
+                raise ValueError(unknown_name(name, getattr(self, name), accepted))
         for name, (ok, rule) in RANGES.items():
             value = getattr(self, name)
             kind = type(FIELDS[name].default)
@@ -464,19 +469,9 @@ def coerce(name: str, value: Any) -> Any:
         raise ValueError(f"{name}={value!r} is not {what}; accepted: {RANGES.get(name, (0, what))[1]}")
     if kind is str:
         return str(value)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = None
-    if kind is int:
-        if number is None or not math.isfinite(number) or not number.is_integer():
-            raise ValueError(f"{name}={value!r} is not an integer; accepted: {RANGES[name][1]}")
-        as_int = int(number) if not isinstance(value, int) else value
-        if not RANGES[name][0](as_int):
-            raise ValueError(f"{name}={value!r} is out of range; accepted: {RANGES[name][1]}")
-        return as_int
-    if number is None:
-        raise ValueError(f"{name}={value!r} is not a number; accepted: {RANGES.get(name, (0, 'a float'))[1]}")
+    number = parse_number(name, value, kind, RANGES.get(name, (0, "a float"))[1])
+    if kind is int and not RANGES[name][0](number):
+        raise ValueError(f"{name}={value!r} is out of range; accepted: {RANGES[name][1]}")
     return number
 
 

@@ -17,15 +17,12 @@ The options shared by every method (``num_data``, ``prior_std``, ``prior_mean``,
 from __future__ import annotations
 
 import inspect
-import math
 import re
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-import yaml
-
-from bayeswrap.methods import METHODS, method_option_defaults
+from bayeswrap.app.values import StrictLoader, YAMLAliasError, coerce_kind, parse_bool
 
 __all__ = ["OptionSpec", "option_specs", "all_option_specs", "coerce_option", "option_users", "parse_bool",
            "SAMPLER_RENAMES", "StrictLoader", "YAMLAliasError"]
@@ -98,11 +95,15 @@ def option_specs(method: str) -> dict[str, OptionSpec]:
     Raises:
         KeyError: for an unregistered method.
     """
+    from bayeswrap.methods import METHODS
+
     return dict(_class_specs(METHODS[method], method))
 
 
 @cache
 def _class_specs(cls: type, method: str) -> dict[str, OptionSpec]:
+    from bayeswrap.methods import method_option_defaults
+
     specs = {name: OptionSpec(name, default, _help(cls, name), "init", name)
              for name, default in method_option_defaults(method).items()}
     run = getattr(cls, "run_chains", None)
@@ -117,6 +118,8 @@ def _class_specs(cls: type, method: str) -> dict[str, OptionSpec]:
 
 def all_option_specs() -> dict[str, OptionSpec]:
     """Every registered method's options, the first spec of each name (the flags of the command line)."""
+    from bayeswrap.methods import METHODS
+
     out: dict[str, OptionSpec] = {}
     for method in METHODS:
         for name, spec in option_specs(method).items():
@@ -126,6 +129,8 @@ def all_option_specs() -> dict[str, OptionSpec]:
 
 def option_users() -> dict[str, tuple[str, ...]]:
     """``{option: the methods that take it}`` for every method option."""
+    from bayeswrap.methods import METHODS
+
     users: dict[str, list[str]] = {}
     for method in METHODS:
         for name in option_specs(method):
@@ -135,6 +140,8 @@ def option_users() -> dict[str, tuple[str, ...]]:
 
 def _kind(name: str) -> type | None:
     """The type of an option's value, from the library defaults (None where a default is None)."""
+    from bayeswrap.methods import METHODS
+
     kinds = {type(specs[name].default) for specs in map(option_specs, METHODS) if name in specs
              and specs[name].default is not None}
     if not kinds:
@@ -142,82 +149,6 @@ def _kind(name: str) -> type | None:
     if kinds == {int, float}:
         return float
     return kinds.pop() if len(kinds) == 1 else None
-
-
-def parse_bool(name: str, value: Any) -> bool:
-    """A boolean option of the command line or a YAML file: True/False, or the text or integer
-    true/yes/on/1 and false/no/off/0 (any case).
-
-    Raises:
-        ValueError: naming the option and the value, for anything else (other numbers, lists, None, ...).
-    """
-    if isinstance(value, bool):
-        return value
-    if not isinstance(value, (str, int)):
-        raise ValueError(f"{name}={value!r} is not a boolean; accepted: true, false (also yes/no, on/off, 1/0)")
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={value!r} is not a boolean; accepted: true, false (also yes/no, on/off, 1/0)")
-
-
-class YAMLAliasError(yaml.composer.ComposerError):
-    """A YAML anchor (``&name``) or alias (``*name``): refused, since bayeswrap's files and values never need one
-    and aliases nested in aliases expand exponentially (a 1.5 KB "billion laughs" file exhausts memory).
-    """
-
-
-class StrictLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses anchors and aliases, and a mapping with a duplicate key (PyYAML keeps the
-    last one silently).
-
-    Anchors and aliases are refused while the document is parsed, before any node is built, so an alias bomb
-    fails at its first anchor in constant memory.
-    """
-
-    def compose_node(self, parent, index):
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            what = "alias" if isinstance(event, yaml.AliasEvent) else "anchor"
-            sign = "*" if what == "alias" else "&"
-            raise YAMLAliasError(None, None, f"YAML {what} {sign}{event.anchor} is not accepted (anchors and "
-                                 f"aliases are refused; write the value out)", event.start_mark)
-        return super().compose_node(parent, index)
-
-
-def _no_duplicates(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
-        seen[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep=deep)
-
-
-StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
-
-
-def _parse_scalar(text: str) -> Any:
-    """A command-line string as a number where it spells one (``1e-3`` too, which YAML 1.1 reads as text), else
-    as a YAML value (``true``, ``[250, 250]``; no anchors or aliases, see :class:`StrictLoader`), else the text
-    itself.
-    """
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            continue
-    try:
-        parsed = yaml.load(text, Loader=StrictLoader)
-    except YAMLAliasError as err:
-        raise ValueError(f"{text[:60]!r}{'...' if len(text) > 60 else ''}: {err.problem}") from None
-    except yaml.YAMLError:
-        return text
-    return text if parsed is None else parsed
 
 
 def coerce_option(name: str, value: Any) -> Any:
@@ -241,27 +172,4 @@ def coerce_option(name: str, value: Any) -> Any:
     if value is None:
         raise ValueError(f"{name}=None (an empty value) is not valid; give a value or leave the option out to "
                          f"use the method's default")
-    kind = _kind(name)
-    if isinstance(value, str) and kind is not str:
-        value = _parse_scalar(value)
-    if kind is bool:
-        return parse_bool(name, value)
-    if kind is int or kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{name}={value!r} is not {'an integer' if kind is int else 'a number'}")
-        if kind is int:
-            if not (math.isfinite(value) and float(value).is_integer()):
-                raise ValueError(f"{name}={value!r} is not an integer")
-            return int(value)
-        return float(value)
-    if kind is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{name}={value!r} is not a list; accepted: a YAML list such as [250, 250]")
-        return tuple(value)
-    if kind is str:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = repr(value)  # an unquoted YAML number: the text the command line passes (e.g. swa_start 0.33)
-        if not isinstance(value, str):
-            raise ValueError(f"{name}={value!r} is not a string")
-        return value
-    return value
+    return coerce_kind(name, value, _kind(name))
