@@ -4,7 +4,8 @@ Runs the main job (every BayesDLL method on the bundled digits, classes 8 and 9
 held out as out-of-distribution, rotation and noise shift) into a temporary
 folder and copies its table and figures::
 
-    figures/compare_digits.md, compare_digits.csv       the comparison table
+    figures/compare_digits.md, compare_digits.csv       the comparison table (compact; every row and column: CSV)
+    figures/compare_digits_full.md                      every row and column as Markdown
     figures/compare_digits_reliability.png              reliability diagrams, one panel per method
     figures/compare_digits_shift.png                    error/NLL/ECE against shift intensity, with MAP + TS
     figures/compare_digits_risk_coverage.png            selective prediction
@@ -31,6 +32,7 @@ from bayeswrap.app import cli
 COPIES = {
     "comparison.md": "compare_digits.md",
     "comparison.csv": "compare_digits.csv",
+    "comparison_full.md": "compare_digits_full.md",
     "reliability.png": "compare_digits_reliability.png",
     "shift.png": "compare_digits_shift.png",
     "risk_coverage.png": "compare_digits_risk_coverage.png",

@@ -183,7 +183,8 @@ def _run(args) -> int:
         base, rows = run_compare(args.config, overrides, [m.strip() for m in args.methods.split(",") if m.strip()],
                                  int_list(args.num_samples_list), tune_options=args.tune, resume=args.resume)
         print(markdown_table(rows))
-        print(f"written: {base / 'comparison.md'}, {base / 'comparison.csv'} and figures in {base}")
+        print(f"written: {base / 'comparison.md'} (every row and column: comparison_full.md, comparison.csv) "
+              f"and figures in {base}")
         return 0
     except RunInterrupted as err:
         print(f"{prefix}: {err}", file=sys.stderr)
