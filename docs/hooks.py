@@ -155,7 +155,7 @@ def _method_page(registry, name: str) -> str:
                   "| option | default | type | description |", "| --- | --- | --- | --- |"]
         for option, value in defaults.items():
             annotation = annotations.get(option, "")
-            lines.append(f"| `{option}` | {_cell(_default(value))} | {f'`{_cell(annotation)}`' if annotation else ''}"
+            lines.append(f"| `{option}` | {_cell(_default(value))} | {f'`{annotation}`' if annotation else ''}"
                          f" | {_cell(described.get(option, ''))} |")
     else:
         lines.append("Only the [common options](../api/model.md) of `BayesianModel` and `kl_weight`, `chunk_size`.")
