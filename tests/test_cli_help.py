@@ -16,7 +16,9 @@ import pytest
 
 from bayeswrap.app import cli
 from bayeswrap.app.cli_parser import EXAMPLES
-from bayeswrap.app.cli_spec import REGENERATE, SPEC_PATH, build_spec, plain_text, render_spec
+from bayeswrap.app.cli_spec import REGENERATE, SPEC_PATH, build_spec, load_spec, plain_text, render_spec
+from bayeswrap.app.config import FIELDS, RANGES, resolve
+from bayeswrap.app.values import Bounds
 
 ROOT = Path(__file__).parents[1]
 
@@ -64,19 +66,26 @@ def test_help_and_option_errors_import_no_torch():
     argvs = [["--help"], ["fit", "--help"], ["fit", "--method", "laplace", "--help"], ["compare", "--help"],
              ["evaluate", "--help"], ["predict", "--help"], ["fit", "--method", "swa"], ["fit", "--epohcs", "3"],
              ["fit", "--epochs", "abc"], ["fit", "--p-drop", "0.2"], ["compare", "--methods", "map,swa"],
-             ["fit", "--method", "laplace", "--curvature-samples", "x"], ["fit", "--optimizer", "adam"]]
+             ["fit", "--method", "laplace", "--curvature-samples", "x"], ["fit", "--optimizer", "adam"],
+             ["fit", "--epochs", "0"], ["compare", "--momentum", "1"], ["fit", "--prior-std", "1e20"],
+             ["fit", "--lr", "nan"]]
     result = subprocess.run([sys.executable, "-c", _NO_TORCH.format(argvs=argvs)], capture_output=True, text=True,
                             cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     codes, heavy = result.stdout.strip().splitlines()[-1].split("] ")
-    assert codes == "[" + ", ".join(["0"] * 6 + ["2"] * 7) and heavy == "[]", result.stdout[-2000:]
+    assert codes == "[" + ", ".join(["0"] * 6 + ["2"] * 11) and heavy == "[]", result.stdout[-2000:]
     err = result.stderr
     for message in ("method='swa' is not known; accepted: map, vi, ", "Did you mean: swag?",
                     "unrecognized arguments: --epohcs 3. Did you mean: --epochs",
                     "epochs='abc' is not an integer; accepted: an integer >= 1",
                     "p_drop is not an option of method 'vi' (it is an option of mc_dropout)",
                     "--methods swa not known; accepted: map, vi,", "curvature_samples='x' is not an integer",
-                    "optimizer='adam' is not known; accepted: sgd, adamw. Did you mean: adamw?"):
+                    "optimizer='adam' is not known; accepted: sgd, adamw. Did you mean: adamw?",
+                    # ranges: the same words as RunConfig's check after the library is imported
+                    "epochs=0 is out of range; accepted: an integer >= 1",
+                    "momentum=1.0 is out of range; accepted: a number in [0, 1)",
+                    "prior_std=1e+20 is out of range; accepted: a number in [1e-18, 1e+18]",
+                    "lr=nan is out of range; accepted: a finite number > 0"):
         assert message in err, message
 
 
@@ -141,3 +150,24 @@ def test_every_subcommand_has_help(capsys):
     for argv in (["--help"], ["fit", "--help"], ["compare", "--help"], ["evaluate", "--help"], ["predict", "--help"]):
         text = _help(argv, capsys)
         assert text.startswith("usage: bayeswrap") and "examples:" in text, argv
+
+
+@pytest.mark.parametrize("name", sorted(RANGES))
+def test_the_early_range_check_equals_the_config_check_at_and_beside_each_bound(name):
+    """Each declarative bound is checked alike by the command line (from cli_spec.json) and by RunConfig."""
+    bounds, _ = RANGES[name]
+    entry = load_spec()["run_options"][name]
+    assert Bounds(*entry["bounds"]) == bounds
+    is_int = isinstance(FIELDS[name].default, int)
+    edges = [b for b in (bounds.low, bounds.high) if b is not None]
+    for edge in edges:
+        beside = (edge - 1, edge, edge + 1) if is_int else (edge * (1 - 1e-9) - 1e-12, edge, edge * (1 + 1e-9) + 1e-12)
+        for value in beside:
+            early = Bounds(*entry["bounds"])(value)
+            try:
+                resolve(None, {name: value, **({"epochs": 10} if name == "warmup_epochs" else {})})
+                late = True
+            except ValueError as err:
+                assert "out of range" in str(err) and name in str(err), str(err)
+                late = False
+            assert early == late, (name, value)

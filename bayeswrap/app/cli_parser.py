@@ -16,7 +16,7 @@ import ast
 from typing import Any
 
 from bayeswrap.app.cli_spec import load_spec
-from bayeswrap.app.values import coerce_kind, did_you_mean, parse_bool, parse_number, unknown_name
+from bayeswrap.app.values import Bounds, coerce_kind, did_you_mean, parse_bool, parse_number, unknown_name
 
 __all__ = ["EXAMPLES", "make_parser", "parse", "check_args", "method_hint", "int_list"]
 
@@ -262,11 +262,11 @@ def _default(entry: dict) -> Any:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """The checks of ``fit`` / ``compare`` flags that need no library: each value's type and choice, the method's
+    """The checks of ``fit`` / ``compare`` flags that need no library: each value's type, range and choice, the method's
     name, and (for ``fit`` without a config file) that each method option is one of the method's.
 
-    The messages are those of :func:`bayeswrap.app.config.resolve`, which checks the rest (ranges, the method's
-    constructor) after the library is imported.
+    The messages are those of :func:`bayeswrap.app.config.resolve`, which checks the rest (values from config
+    files, options that depend on each other, the method's constructor) after the library is imported.
 
     Raises:
         ValueError: naming the option, the value and the accepted ones (with the closest names for a name).
@@ -281,7 +281,9 @@ def check_args(args: argparse.Namespace) -> None:
             continue
         value = given[name]
         if entry["type"] in ("int", "float"):
-            parse_number(name, value, _TYPE[entry["type"]], entry["accepted"] or "a float")
+            number = parse_number(name, value, _TYPE[entry["type"]], entry["accepted"] or "a float")
+            if entry.get("bounds") and not Bounds(*entry["bounds"])(number):
+                raise ValueError(f"{name}={number!r} is out of range; accepted: {entry['accepted']}")
         elif entry["type"] == "bool":
             parse_bool(name, value)
         elif entry["choices"] and name != "amp" and value not in entry["choices"]:

@@ -119,7 +119,8 @@ def build_spec() -> dict[str, Any]:
         an entry holds ``type`` (``int``, ``float``, ``bool``, ``str``, ``list``, ``mapping`` or ``any``: how a
         value is read), ``annotation`` (as the constructor writes it), ``default`` (as ``--help`` shows it),
         ``help`` (plain text), ``choices`` (or None) and, for run options, ``accepted`` (the accepted values in
-        words, as the error messages say them) or None.
+        words, as the error messages say them) or None and ``bounds`` (``Bounds.as_list()`` of the accepted
+        interval) or None.
     """
     import dataclasses
 
@@ -136,7 +137,8 @@ def build_spec() -> dict[str, Any]:
         choices = list(CHOICES[name]) if name in CHOICES else list(METHODS) if name == "method" else None
         run_options[name] = {"type": _kind_name(type(default)), "annotation": _kind_name(type(default)),
                              "default": _shown(default), "help": plain_text(f.metadata["help"]),
-                             "choices": choices, "accepted": RANGES[name][1] if name in RANGES else None}
+                             "choices": choices, "accepted": RANGES[name][1] if name in RANGES else None,
+                             "bounds": RANGES[name][0].as_list() if name in RANGES else None}
     methods = {}
     for method, cls in METHODS.items():
         options = {}

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from bayeswrap.app.options import coerce_option, option_specs, option_users
-from bayeswrap.app.values import StrictLoader, parse_bool, parse_number, unknown_name
+from bayeswrap.app.values import Bounds, StrictLoader, parse_bool, parse_number, unknown_name
 from bayeswrap.core.checks import MAX_PREDICTIVE_SAMPLES, SCALE_RANGE, check_device
 from bayeswrap.core.io import file_kind
 from bayeswrap.data.corruptions import CORRUPTIONS, SEVERITIES, corruption_names, require_library
@@ -363,30 +363,30 @@ def amp_value(value: Any) -> str:
         raise ValueError(f"amp={value!r} is not known; accepted: none, bf16, fp16 (aliases: bfloat16, float16, "
                          f"half; true/yes/on = bf16, false/no/off = none)")
     return AMP_ALIASES[key]
-#: numeric options: (check of a finite value, the accepted range in words)
-RANGES: dict[str, tuple[Any, str]] = {
-    "epochs": (lambda v: v >= 1, "an integer >= 1"),
-    "batch_size": (lambda v: v >= 1, "an integer >= 1"),
-    "num_samples": (lambda v: 0 <= v <= MAX_PREDICTIVE_SAMPLES,
+#: numeric options: (the accepted interval, the same in words); the command line checks it before importing torch
+RANGES: dict[str, tuple[Bounds, str]] = {
+    "epochs": (Bounds(1), "an integer >= 1"),
+    "batch_size": (Bounds(1), "an integer >= 1"),
+    "num_samples": (Bounds(0, MAX_PREDICTIVE_SAMPLES),
                     f"an integer >= 0 and <= {MAX_PREDICTIVE_SAMPLES} (posterior samples of the predictive)"),
-    "img_size": (lambda v: v >= 0, "an integer >= 0"),
-    "num_workers": (lambda v: v >= 0, "an integer >= 0"),
-    "n_bins": (lambda v: v >= 1, "an integer >= 1"),
-    "warmup_epochs": (lambda v: v >= 0, "an integer >= 0, below epochs"),
-    "seed": (lambda v: 0 <= v <= 2**32 - 1, "an integer in [0, 2^32 - 1]"),
-    "lr": (lambda v: v > 0, "a finite number > 0"),
-    "lr_head": (lambda v: v >= 0, "a finite number >= 0 (0 = lr)"),
-    "momentum": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    "weight_decay": (lambda v: v >= 0, "a finite number >= 0"),
-    "grad_clip_norm": (lambda v: v >= 0, "a finite number >= 0 (0 = no clipping)"),
-    "val_fraction": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    "dropout": (lambda v: 0 <= v < 1, "a number in [0, 1) (the backbone's dropout probability)"),
-    "prior_std": (lambda v: PRIOR_STD_RANGE[0] <= v <= PRIOR_STD_RANGE[1],
+    "img_size": (Bounds(0), "an integer >= 0"),
+    "num_workers": (Bounds(0), "an integer >= 0"),
+    "n_bins": (Bounds(1), "an integer >= 1"),
+    "warmup_epochs": (Bounds(0), "an integer >= 0, below epochs"),
+    "seed": (Bounds(0, 2**32 - 1), "an integer in [0, 2^32 - 1]"),
+    "lr": (Bounds(0, low_open=True), "a finite number > 0"),
+    "lr_head": (Bounds(0), "a finite number >= 0 (0 = lr)"),
+    "momentum": (Bounds(0, 1, high_open=True), "a number in [0, 1)"),
+    "weight_decay": (Bounds(0), "a finite number >= 0"),
+    "grad_clip_norm": (Bounds(0), "a finite number >= 0 (0 = no clipping)"),
+    "val_fraction": (Bounds(0, 1, high_open=True), "a number in [0, 1)"),
+    "dropout": (Bounds(0, 1, high_open=True), "a number in [0, 1) (the backbone's dropout probability)"),
+    "prior_std": (Bounds(*PRIOR_STD_RANGE),
                   f"a number in [{PRIOR_STD_RANGE[0]:g}, {PRIOR_STD_RANGE[1]:g}]"),
-    "kl_weight": (lambda v: v >= 0, "a finite number >= 0"),
-    "num_data_inflate": (lambda v: v > 0, "a finite number > 0"),
-    "noise_scale": (lambda v: v >= 0, "a finite number >= 0"),
-    "conformal_alpha": (lambda v: 0 < v < 1, "a number in (0, 1) (miscoverage of the conformal sets)"),
+    "kl_weight": (Bounds(0), "a finite number >= 0"),
+    "num_data_inflate": (Bounds(0, low_open=True), "a finite number > 0"),
+    "noise_scale": (Bounds(0), "a finite number >= 0"),
+    "conformal_alpha": (Bounds(0, 1, low_open=True, high_open=True), "a number in (0, 1) (miscoverage of the conformal sets)"),
 }
 #: options a resumed run may change: they do not touch the data, the split, the model or the method
 RESUME_ALLOWED = ("epochs", "lr", "lr_head", "momentum", "weight_decay", "scheduler", "warmup_epochs",

@@ -10,11 +10,12 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-__all__ = ["StrictLoader", "YAMLAliasError", "parse_bool", "parse_scalar", "parse_number", "coerce_kind",
+__all__ = ["Bounds", "StrictLoader", "YAMLAliasError", "parse_bool", "parse_scalar", "parse_number", "coerce_kind",
            "did_you_mean", "unknown_name"]
 
 
@@ -92,6 +93,31 @@ def parse_scalar(text: str) -> Any:
     except yaml.YAMLError:
         return text
     return text if parsed is None else parsed
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The accepted interval of a numeric run option, as data (so the command line checks it without torch).
+
+    ``Bounds(low, high, low_open, high_open)(v)`` is ``low <= v <= high``, with ``<`` on an open side and no
+    bound where ``low`` or ``high`` is None; a non-finite ``v`` is outside every interval.
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __call__(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def as_list(self) -> list:
+        """``[low, high, low_open, high_open]``, as the option table stores it."""
+        return [self.low, self.high, self.low_open, self.high_open]
 
 
 def parse_number(name: str, value: Any, kind: type, accepted: str) -> int | float:
