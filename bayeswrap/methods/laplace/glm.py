@@ -179,6 +179,7 @@ class LinearisedPredictive:
         f_mu = torch.cat([c[0] for c in chunks]).detach()
         f_var = torch.cat([c[1] for c in chunks]).detach()
         return f_mu.reshape(-1, *shape), f_var.reshape(-1, *shape)
+
     def _linearised_outputs(self, x, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
         """f(x; θ*) + J(x) δ_s for ``num_samples`` draws δ_s = θ_s − θ*, with forward-mode AD.
 
@@ -193,7 +194,10 @@ class LinearisedPredictive:
             return jvp(lambda th: self.forward_with(th, x), (theta,), (delta,))[1]
 
         outs = []
-        with sdpa_kernel([SDPBackend.MATH]):
+        with sdpa_kernel([SDPBackend.MATH]), warnings.catch_warnings():
+            # torch's first forward-mode call scripts its jvp decompositions (torch._decomp.decompositions_for_jvp)
+            # and warns 18 times that torch.jit.script is deprecated: torch's own, nothing the user can act on
+            warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
             for start in range(0, num_samples, self.chunk_size):
                 deltas = self._sample_deltas(min(self.chunk_size, num_samples - start), generator)
                 count = next(iter(deltas.values())).shape[0]
