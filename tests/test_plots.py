@@ -253,3 +253,17 @@ def test_curves_that_differ_keep_their_own_style(reports):
     for ax in fig.axes:
         assert all(ln.get_linestyle() == "-" for ln in ax.get_lines())
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["map", "vi"]
+
+
+def test_eleven_methods_get_eleven_distinct_colours_in_every_figure():
+    """The compare figures drew an 11th method (multiswag) in map's colour: matplotlib's cycle has 10."""
+    from matplotlib.colors import to_rgba
+
+    from bayeswrap.evaluation.plots import method_colors
+
+    for n in (3, 10, 11, 20):
+        colours = [to_rgba(c) for c in method_colors([f"m{i}" for i in range(n)]).values()]
+        assert len(set(colours)) == n
+    assert method_colors(["a", "b"]) == {"a": "C0", "b": "C1"}  # the default cycle while it suffices
+    with pytest.raises(ValueError, match="21 methods"):
+        method_colors([f"m{i}" for i in range(21)])

@@ -306,6 +306,24 @@ def _require(results: Mapping[str, Any], what: str) -> None:
         raise ValueError(f"{what} needs at least one method's results; got none")
 
 
+def method_colors(methods) -> dict[str, Any]:
+    """One distinct colour per method, in order: matplotlib's default cycle (C0–C9) for up to 10 methods, else
+    tab20's 20 colours (the default cycle repeats after 10, so an 11th curve took the first one's colour).
+
+    Raises:
+        ValueError: for more than 20 methods (colours would repeat).
+    """
+    names = list(methods)
+    if len(names) > 20:
+        raise ValueError(f"{len(names)} methods in one figure; accepted: at most 20 (one distinct colour each)")
+    if len(names) <= 10:
+        return {m: f"C{i}" for i, m in enumerate(names)}
+    from matplotlib import colormaps  # imported on first use, as in new_figure
+
+    palette = colormaps["tab20"].colors
+    return {m: palette[i] for i, m in enumerate(names)}
+
+
 def plain_number(value: float, digits: int = 3) -> str:
     """``value`` with ``digits`` significant digits in positional notation, never scientific.
 
@@ -445,7 +463,7 @@ def shift_curves(shift: Mapping[str, Mapping[str, Any]], path: str | os.PathLike
     rows = len(kinds) + bool(corruption)
     fig = new_figure(figsize=(12, 3.3 * rows), layout="constrained")
     axes = np.atleast_2d(fig.subplots(rows, 3, squeeze=False))
-    colors = {m: f"C{i}" for i, m in enumerate({**shift, **corruption})}
+    colors = method_colors({**shift, **corruption})
     names = _aliases({m: [shift.get(m, {}).get(k, {}).get("T1", {}).get(metric, []) for k in kinds
                           for metric in ("error", "nll", "ece")]
                       + [corruption[m]["mean"]["T1"][metric] for metric in ("error", "nll", "ece") if m in corruption]
@@ -523,8 +541,9 @@ def risk_coverage_curves(selective: Mapping[str, Mapping[str, Any]], path: str |
     ax = fig.subplots()
     names = _aliases({m: [rep["coverage"], rep["risk"]] for m, rep in selective.items()})
     drawn: list = []
-    for i, (method, rep) in enumerate(selective.items()):
-        _plot_curve(ax, rep["coverage"], rep["risk"], drawn, color=f"C{i}",
+    colors = method_colors(selective)
+    for method, rep in selective.items():
+        _plot_curve(ax, rep["coverage"], rep["risk"], drawn, color=colors[method],
                     label=f"{names[method]}, AURC {plain_number(rep['aurc'])}")
     ax.set_xlabel("coverage (fraction of test examples kept, most confident first)")
     ax.set_ylabel("risk (error among kept)")
@@ -564,11 +583,13 @@ def gamma_curves(gamma: Mapping[str, Mapping[str, Any] | None], path: str | os.P
         raise ValueError("gamma_curves: no method has gamma curves (needs correct and misclassified examples)")
     fig, axes = _grid(len(present), 4, (3.6, 3.4))
     names = _aliases({m: [g[k] for k in present if k in g] for m, g in gamma.items() if g})
+    colors = method_colors(gamma)
     for ax, measure in zip(axes, present):
         drawn: list = []
-        for i, (method, g) in enumerate(gamma.items()):
+        for method, g in gamma.items():
             if g and measure in g:
-                _plot_curve(ax, g["alphas"], g[measure], drawn, marker="o", ms=3, color=f"C{i}", label=names[method])
+                _plot_curve(ax, g["alphas"], g[measure], drawn, marker="o", ms=3, color=colors[method],
+                            label=names[method])
         ax.set_title(measure.replace("_", " "))
         ax.set_xlabel("α")
         ax.set_ylabel("γ(α)")
