@@ -497,8 +497,8 @@ def shift_curves(shift: Mapping[str, Mapping[str, Any]], path: str | os.PathLike
 def _corruption_row(row: Any, corruption: Mapping[str, Mapping[str, Any]], colors: dict[str, str],
                     temperature_scaled: str | None, names: Mapping[str, str]) -> None:
     """Error, NLL and ECE against corruption severity: thin per-corruption lines, the bold mean per method."""
-    names = sorted({n for rep in corruption.values() for n in rep["corruptions"]})
-    row[0].set_title(f"corruptions: mean over {len(names)} (bold), each (thin)", fontsize="medium")
+    kinds = sorted({n for rep in corruption.values() for n in rep["corruptions"]})
+    row[0].set_title(f"corruptions: mean over {len(kinds)} (bold), each (thin)", fontsize="medium")
     for ax, metric in zip(row, ("error", "nll", "ece")):
         drawn: list = []
         for method, rep in corruption.items():
