@@ -17,7 +17,7 @@ import torch
 
 import bayeswrap as bw
 from bayeswrap.app import cli, compare, reports
-from bayeswrap.app.progress import CompareProgress, counted_warnings, warning_summary
+from bayeswrap.app.progress import CompareProgress, counted_warnings, warning_details, warning_summary
 from bayeswrap.evaluation import calibration
 from bayeswrap.training import epoch_summary
 
@@ -158,6 +158,10 @@ def test_warnings_of_a_loop_are_counted_once_per_site():
     assert re.fullmatch(r"7 × RuntimeWarning at tests/test_progress_tables\.py:\d+ \(7 different messages\), "
                         r"the last: variance sums to 6", lines[0]), lines[0]
     assert re.fullmatch(r"UserWarning at tests/test_progress_tables\.py:\d+: other", lines[1]), lines[1]
+    assert warning_summary(caught, max_chars=10)[0].endswith("the last: variance s …")  # cut, and marked
+    details = warning_details(caught).splitlines()  # every message whole, with its count
+    assert details[0].endswith("7 ×:") and details[1:8] == [f"  1 × variance sums to {i}" for i in range(7)]
+    assert details[8].startswith("UserWarning at") and details[9] == "  1 × other"
     # Python's filters keep their effect: an ignored warning is not recorded, an error filter still raises
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -230,6 +234,10 @@ def test_compare_prints_method_counters_and_one_line_per_warning_site(tmp_path, 
         summary = [line for line in err if "RuntimeWarning" in line and line.startswith(f"compare {method} ")]
         assert len(summary) == 1 and f": warning: {count} × RuntimeWarning at tests/test_progress_tables.py:" in \
             summary[0], err
+        assert f"(every message: {method}/warnings.log)" in summary[0]
+        log = (base / method / "warnings.log").read_text()  # every distinct message whole, with its count
+        assert log.startswith("RuntimeWarning at tests/test_progress_tables.py:") and f", {count} ×:\n" in log
+        assert sum(int(line.split(" × ")[0]) for line in log.splitlines()[1:]) == count, log
     assert not any("{" in line for line in err)  # no raw dicts
     assert not any(line.startswith("compare") for line in captured.out.splitlines())
     # the terminal table is comparison.md; comparison_full.md and the CSV hold every column

@@ -38,7 +38,7 @@ from bayeswrap.app.config import (
     resolve_values,
 )
 from bayeswrap.app.options import option_users
-from bayeswrap.app.progress import SILENT, CompareProgress, counted_warnings, warning_summary
+from bayeswrap.app.progress import SILENT, CompareProgress, counted_warnings, warning_details, warning_summary
 from bayeswrap.app.reports import (
     comparison_rows,
     csv_table,
@@ -193,8 +193,7 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
                             command, prior_std=inherited, progress=progress,
                             member_tuning=results.get(member, {}).get("tuning") if member else None)
                     finally:  # also when interrupted: what the method warned so far
-                        for line in warning_summary(caught):
-                            progress.say(f"warning: {line}")
+                        _report_warnings(progress, caught, base / method)
                 progress.end_method()
                 if method == PRIOR_SOURCE and tune_options:
                     inherited = tuned_options(results[method]).get("prior_std")
@@ -217,6 +216,19 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
         raise RunInterrupted(base, command) from None
     finally:
         lock.release()
+
+
+def _report_warnings(progress: CompareProgress, caught: list, folder: Path) -> None:
+    """One terminal line per warning site of a method (its last message cut to 200 characters), and every
+    message whole in the method's ``warnings.log``.
+    """
+    if not caught:
+        return
+    logged = folder.is_dir()
+    if logged:
+        write_text(folder / "warnings.log", warning_details(caught))
+    for line in warning_summary(caught, max_chars=200):
+        progress.say(f"warning: {line}" + (f" (every message: {folder.name}/warnings.log)" if logged else ""))
 
 
 def planned_fits(method: str, cfg: RunConfig, tune_options: bool, methods, *, resumed_tuning: bool = False,

@@ -217,23 +217,44 @@ def counted_warnings() -> Iterator[list[warnings.WarningMessage]]:
         yield caught
 
 
-def warning_summary(caught: list[warnings.WarningMessage]) -> list[str]:
-    """One line per warning site (category, file and line) with its count and its last message.
-
-    E.g. ``"7 × RuntimeWarning at bayeswrap/methods/laplace/fitting.py:84 (6 different messages), the last: ..."``.
-    Sites in the order they first warned; a multi-line message is joined into one line.
-    """
+def _sites(caught: list[warnings.WarningMessage]) -> dict[tuple, list[str]]:
+    """``{(category, file, line): [message, ...]}`` in the order the sites first warned; messages on one line."""
     sites: dict[tuple, list[str]] = {}
     for w in caught:
         sites.setdefault((w.category.__name__, _short_path(w.filename), w.lineno), []).append(
             " ".join(str(w.message).split()))
+    return sites
+
+
+def warning_summary(caught: list[warnings.WarningMessage], max_chars: int | None = None) -> list[str]:
+    """One line per warning site (category, file and line) with its count and its last message.
+
+    E.g. ``"7 × RuntimeWarning at bayeswrap/methods/laplace/fitting.py:84 (6 different messages), the last: ..."``.
+    Sites in the order they first warned; a multi-line message is joined into one line, and cut after
+    ``max_chars`` characters (marked with "…") when given: :func:`warning_details` keeps every message whole.
+    """
     lines = []
-    for (category, path, lineno), messages in sites.items():
+    for (category, path, lineno), messages in _sites(caught).items():
         distinct = len(set(messages))
         count = f"{len(messages)} × " if len(messages) > 1 else ""
         variety = f" ({distinct} different messages), the last" if distinct > 1 else ""
-        lines.append(f"{count}{category} at {path}:{lineno}{variety}: {messages[-1]}")
+        last = messages[-1]
+        if max_chars is not None and len(last) > max_chars:
+            last = last[:max_chars].rstrip() + " …"
+        lines.append(f"{count}{category} at {path}:{lineno}{variety}: {last}")
     return lines
+
+
+def warning_details(caught: list[warnings.WarningMessage]) -> str:
+    """Every distinct message of every warning site, whole, with how often it was raised (for a log file)."""
+    blocks = []
+    for (category, path, lineno), messages in _sites(caught).items():
+        counts: dict[str, int] = {}
+        for message in messages:
+            counts[message] = counts.get(message, 0) + 1
+        blocks.append(f"{category} at {path}:{lineno}, {len(messages)} ×:\n" + "".join(
+            f"  {n} × {message}\n" for message, n in counts.items()))
+    return "".join(blocks)
 
 
 def _short_path(filename: str) -> str:
