@@ -82,7 +82,7 @@ def test_help_and_option_errors_import_no_torch():
                     "--methods swa not known; accepted: map, vi,", "curvature_samples='x' is not an integer",
                     "optimizer='adam' is not known; accepted: sgd, adamw. Did you mean: adamw?",
                     # ranges: the same words as RunConfig's check after the library is imported
-                    "epochs=0 is out of range; accepted: an integer >= 1",
+                    "epochs='0' is out of range; accepted: an integer >= 1",
                     "momentum=1.0 is out of range; accepted: a number in [0, 1)",
                     "prior_std=1e+20 is out of range; accepted: a number in [1e-18, 1e+18]",
                     "lr=nan is out of range; accepted: a finite number > 0"):

@@ -283,7 +283,8 @@ def check_args(args: argparse.Namespace) -> None:
         if entry["type"] in ("int", "float"):
             number = parse_number(name, value, _TYPE[entry["type"]], entry["accepted"] or "a float")
             if entry.get("bounds") and not Bounds(*entry["bounds"])(number):
-                raise ValueError(f"{name}={number!r} is out of range; accepted: {entry['accepted']}")
+                shown = value if entry["type"] == "int" else number  # as RunConfig words it: '0', 0.0
+                raise ValueError(f"{name}={shown!r} is out of range; accepted: {entry['accepted']}")
         elif entry["type"] == "bool":
             parse_bool(name, value)
         elif entry["choices"] and name != "amp" and value not in entry["choices"]:
