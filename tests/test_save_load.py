@@ -248,3 +248,24 @@ def test_writes_are_atomic_and_never_through_a_link(tmp_path, monkeypatch):
     with pytest.raises(UnsafePathError, match="symbolic link"):
         bw.save(first, link)
     assert target.read_bytes() == b"keep"
+
+
+def test_the_temporary_file_of_a_killed_save_is_removed_by_the_next_save(tmp_path):
+    """A SIGKILL during bw.save leaves its temporary file (as large as the model); the next save to the path removes
+    it, and leaves a live writer's temporary file alone."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "bnn.pt"
+    killed = ("import os, signal, sys\nfrom bayeswrap.core.io import atomic_write\n"
+              "def write(tmp):\n    open(tmp, 'wb').write(b'x' * 100_000)\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+              "atomic_write(sys.argv[1], write)\n")
+    result = subprocess.run([sys.executable, "-c", killed, str(path)], capture_output=True, timeout=300)
+    assert result.returncode == -9, result.stderr[-2000:]
+    stale = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert len(stale) == 1 and stale[0].stat().st_size == 100_000 and not path.exists()
+    live = tmp_path / f".bnn.pt.{os.getpid()}.inprogress.tmp"  # this process is alive: its file is kept
+    live.write_bytes(b"y")
+    bw.save(bw.wrap(_mlp(0), "map", num_data=N_TRAIN), path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["bnn.pt", live.name])
+    assert bw.load(path, _mlp(1)).method == "map"

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from bayeswrap._version import __version__
-from bayeswrap.core.io import CheckpointError, atomic_write, load_checkpoint
+from bayeswrap.core.io import CheckpointError, atomic_write, load_checkpoint, remove_stale_tmp_of
 from bayeswrap.core.modules import unwrap_compiled
 from bayeswrap.methods import METHODS, BayesianModel, wrap
 
@@ -52,7 +52,8 @@ def save(bnn: BayesianModel, path: str | os.PathLike) -> None:
     Args:
         bnn: a model made by :func:`bayeswrap.wrap` (fitted or not; ``torch.compile(bnn)`` is unwrapped).
         path: the file to write (conventionally ``*.pt``); parent folders are created. Written atomically: a
-            reader sees the old file or the whole new one, never a part.
+            reader sees the old file or the whole new one, never a part; the temporary file of an earlier save to
+            ``path`` whose process was killed is removed first.
 
     Raises:
         TypeError: if ``bnn`` is not a BayesianModel.
@@ -83,6 +84,7 @@ def save(bnn: BayesianModel, path: str | os.PathLike) -> None:
     contents = {"format": FORMAT, "format_version": FORMAT_VERSION, "bayeswrap": __version__, "method": method,
                 "arguments": arguments, "training": bool(bnn.training), "architecture": architecture(bnn.model),
                 "state": bnn.state_dict()}
+    remove_stale_tmp_of(path)  # what a killed save to this path left (a file as large as the model)
     atomic_write(path, lambda tmp: torch.save(contents, tmp))
 
 
