@@ -7,6 +7,7 @@ option table (``bayeswrap/app/cli_spec.json``), which must equal what the live c
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -171,3 +172,26 @@ def test_the_early_range_check_equals_the_config_check_at_and_beside_each_bound(
                 assert "out of range" in str(err) and name in str(err), str(err)
                 late = False
             assert early == late, (name, value)
+
+
+_WAIT_POLICY = """
+import os, sys
+from bayeswrap.app import cli
+try:
+    cli.main(["--help"])
+except SystemExit:
+    pass
+print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_command_line_sets_a_passive_openmp_wait_policy_unless_the_user_set_one(given, expected):
+    """Idle OpenMP threads must sleep, not spin, on shared cores (issue 34: compare beside another 2-thread torch
+    process took 167 s with the default policy and 50 s with PASSIVE, 32-35 s alone); set before torch loads."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    result = subprocess.run([sys.executable, "-c", _WAIT_POLICY], capture_output=True, text=True, cwd=ROOT,
+                            env=env, timeout=120)
+    assert result.stdout.split()[-2:] == [expected, "False"], result.stdout + result.stderr[-2000:]

@@ -91,7 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints), 1 for a failure during the run (a diverging loss, a full
     disk, unreachable pretrained weights) and 130 on Ctrl-C, with one line
     naming the command that resumes the run.
+
+    Unless the environment sets it, ``OMP_WAIT_POLICY`` is set to ``PASSIVE`` before torch is imported: idle
+    OpenMP threads then sleep instead of spinning, so a run sharing its cores with other processes (another
+    training job, a test suite) does not slow them, and itself, by busy-waiting. libgomp reads the variable once,
+    when torch loads it, so it has no effect when ``main`` is called from a process that imported torch already.
     """
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(make_parser(method_hint(argv)), argv)  # --help and unknown flags end here, before any torch import
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
