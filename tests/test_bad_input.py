@@ -816,3 +816,16 @@ def test_param_groups_head_names_and_lr_head():
         bnn.param_groups(head=["2.weight"], lr_head=NAN)
     groups = bnn.param_groups(head="2.weight", lr_head=np.float64(0.5))
     assert [(g["name"], g.get("lr")) for g in groups] == [("posterior", None), ("point", None), ("point/head", 0.5)]
+
+
+@pytest.mark.parametrize("method", ["map", "vi", "ensemble"])
+def test_loss_refuses_non_finite_regression_targets_naming_them(method):
+    """bnn.loss with an infinite regression target returned inf without a word (fit diagnosed it, loss did not)."""
+    bnn = bw.wrap(_mlp(), method, num_data=8, likelihood="gaussian")
+    x, _ = _data()
+    y = torch.randn(8, 2)
+    assert math.isfinite(bnn.loss(x, y).loss.item())
+    y[3, 1] = INF
+    with pytest.raises(ValueError, match=r"loss: the targets \(shape \(8, 2\)\) contain 1 non-finite values \(NaN or "
+                                         r"inf\); accepted: finite regression targets"):
+        bnn.loss(x, y)

@@ -412,10 +412,10 @@ class BayesianModel(nn.Module, ABC):
 
         Raises:
             NonFiniteInputError: a ValueError, if the loss is NaN or infinite and a
-                floating input holds NaN or inf (naming the input, its shape and the
-                count). The check reads the loss once (the device sync that reading the
-                loss costs anyway) and looks at the inputs only when the loss is not
-                finite; a non-finite loss from finite inputs is returned as it is, for
+                floating input, or a regression target, holds NaN or inf (naming it,
+                its shape and the count). The check reads the loss once (the device sync
+                that reading the loss costs anyway) and looks at the data only when the
+                loss is not finite; a non-finite loss from finite data is returned as it is, for
                 :func:`bayeswrap.fit` to say whether the parameters or the initial
                 state caused it.
             ValueError: if class labels are out of range, targets mis-shaped, or a
@@ -426,16 +426,22 @@ class BayesianModel(nn.Module, ABC):
             y = class_labels(y)
         outs, kl = self._train_outputs(x)
         self.likelihood.check_targets(outs[0], y)
-        return self._checked_loss(self._loss_output(outs, kl, y), x)
+        return self._checked_loss(self._loss_output(outs, kl, y), x, y)
 
     @staticmethod
-    def _checked_loss(out: LossOutput, x) -> LossOutput:
-        """``out``, or a :class:`NonFiniteInputError` naming the input when the loss is not finite because of it."""
-        if not math.isfinite(out.loss.item()):  # one scalar read; the inputs are looked at only after a bad loss
+    def _checked_loss(out: LossOutput, x, y=None) -> LossOutput:
+        """``out``, or a :class:`NonFiniteInputError` naming the inputs or the targets when the loss is not finite
+        because of them.
+        """
+        if not math.isfinite(out.loss.item()):  # one scalar read; the data are looked at only after a bad loss
             try:
                 check_inputs_finite(x)
             except NonFiniteInputError as err:
                 raise NonFiniteInputError(f"loss: {err}", output=out) from None
+            if isinstance(y, torch.Tensor) and y.is_floating_point() and not bool(torch.isfinite(y).all()):
+                count = int((~torch.isfinite(y)).sum())
+                raise NonFiniteInputError(f"loss: the targets (shape {tuple(y.shape)}) contain {count} non-finite "
+                                          "values (NaN or inf); accepted: finite regression targets", output=out)
         return out
 
     def _train_outputs(self, x) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -299,7 +299,7 @@ class Ensemble(BayesianModel):
                               "after another from now on", RuntimeWarning, stacklevel=2)
                 return out
             self._vmap_state = "on"
-            return self._checked_loss(self._loss_output_members(outs, kls, y), x)
+            return self._checked_loss(self._loss_output_members(outs, kls, y), x, y)
         return self._sequential_loss(x, y)
 
     def _sequential_loss(self, x, y) -> LossOutput:
