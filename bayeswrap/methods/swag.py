@@ -111,6 +111,7 @@ from bayeswrap.methods.base import NotFittedError, register_method
 from bayeswrap.methods.bn_dependence import batchnorm_fed_by
 from bayeswrap.methods.map import MAP
 from bayeswrap.methods.predictives import Predictive, Sampled
+from bayeswrap.predictive import model_device
 
 #: fraction of the fit's optimizer steps before the first collection when ``swa_start="auto"``
 SWA_START_FRACTION = 0.5
@@ -439,11 +440,10 @@ class SWAG(MAP):
         if self._bn_update_active() and self.is_ready():  # θ_SWA's statistics, saved with the model
             with torch.no_grad():
                 self._mean_statistics()
-            if self.bn_fed is None:
-                for batch in train_loader:
-                    x, _ = batch_pair(batch, "the BatchNorm update loader (batch 0)", self.label_key)
-                    self._trace_bn(to_device(x, self._device()))
-                    break
+            batch = next(iter(train_loader), None) if self.bn_fed is None else None
+            if batch is not None:
+                x, _ = batch_pair(batch, "the BatchNorm update loader (batch 0)", self.label_key)
+                self._trace_bn(to_device(x, model_device(self)))
 
     def set_bn_update_loader(self, loader) -> None:
         """Sets the training batches of the BatchNorm update (needed after loading a checkpoint).
@@ -626,9 +626,6 @@ class SWAG(MAP):
                 "the statistics of the last training iterate")
         return self._bn_loader
 
-    def _device(self) -> torch.device:
-        return next(iter(self.moment_mean.values())).device
-
     def _bn_key(self) -> tuple[int, int, int]:
         """What θ_SWA's statistics depend on besides the loader: (steps, collections, bn_update_batches)."""
         return int(self.num_steps), int(self.num_collected), self.bn_update_batches
@@ -653,17 +650,20 @@ class SWAG(MAP):
                                            self.output_key)
         return self.bn_fed
 
+    def _outputs_with(self, theta: Mapping[str, torch.Tensor], x, buffers: Mapping[str, torch.Tensor]):
+        """Outputs under Bayesian parameters ``theta`` with ``buffers`` (recomputed BatchNorm statistics)."""
+        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
+        return call(self.model, tensors, buffers, without_key(x, self.label_key), self.output_key)
+
     def _forward_bn(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
         """Outputs under one draw ``theta`` with BatchNorm statistics recomputed for it (Maddox et al. 2019, §4)."""
-        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
-        return call(self.model, tensors, self.bn_statistics(theta), without_key(x, self.label_key), self.output_key)
+        return self._outputs_with(theta, x, self.bn_statistics(theta))
 
     def _forward_mean_statistics(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
         """Outputs under ``theta`` with θ_SWA's recomputed statistics (those of every draw when no Bayesian
         parameter feeds a BatchNorm layer).
         """
-        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
-        return call(self.model, tensors, self._mean_statistics(), without_key(x, self.label_key), self.output_key)
+        return self._outputs_with(theta, x, self._mean_statistics())
 
     @contextlib.contextmanager
     def shared_draws(self):
@@ -717,9 +717,7 @@ class SWAG(MAP):
                 return bnn._forward_mean_statistics(theta, x)
             if shared["statistics"][index] is None:
                 shared["statistics"][index] = bnn.bn_statistics(theta)
-            tensors = {**bnn.point.as_dict(), **bnn.frozen.as_dict(), **theta}
-            return call(bnn.model, tensors, shared["statistics"][index], without_key(x, bnn.label_key),
-                        bnn.output_key)
+            return bnn._outputs_with(theta, x, shared["statistics"][index])
 
         return Sampled(draw=draw, forward=forward)
 
