@@ -111,7 +111,7 @@ from bayeswrap.core.likelihoods import at_least_float32
 from bayeswrap.core.schedules import KLSchedule, check_factor
 from bayeswrap.evaluation import calibration, uncertainty
 from bayeswrap.methods.base import BayesianModel
-from bayeswrap.methods.persistence import _storable
+from bayeswrap.methods.persistence import _storable, storable_wrap_arguments
 from bayeswrap.methods.registry import wrap
 from bayeswrap.predictive import model_device, score
 from bayeswrap.training import check_optimizer, diagnose_nonfinite_loss, parameter_label, step_loss
@@ -292,16 +292,8 @@ def _check_same_wrap(bnn: BayesianModel, method, wrap_options) -> None:
 
 def _wrap_options(bnn: BayesianModel) -> dict | None:
     """``bw.wrap``'s keyword arguments that made ``bnn``, as plain data (None if unknown or not storable)."""
-    recorded = getattr(bnn, "wrap_arguments", None)
-    if not isinstance(recorded, Mapping):
-        return None
-    options = {k: v for k, v in recorded.items() if k != "method"}
-    if callable(options.get("params")):
-        return None
-    if isinstance(options.get("prior_mean"), Mapping):
-        options["prior_mean"] = "init"  # its tensors are the state's prior.mean entries (as bw.save stores it)
     try:
-        return {k: _storable(k, v) for k, v in options.items()}
+        return storable_wrap_arguments(bnn)[1]
     except ValueError:
         return None
 

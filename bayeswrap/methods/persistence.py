@@ -67,6 +67,24 @@ def save(bnn: BayesianModel, path: str | os.PathLike) -> None:
     if not isinstance(bnn, BayesianModel):
         raise TypeError(f"bnn must be a bayeswrap BayesianModel (from bw.wrap(model, method, ...)), got "
                         f"{type(bnn).__name__}")
+    method, arguments = storable_wrap_arguments(bnn)
+    contents = {"format": FORMAT, "format_version": FORMAT_VERSION, "bayeswrap": __version__, "method": method,
+                "arguments": arguments, "training": bool(bnn.training), "architecture": architecture(bnn.model),
+                "state": bnn.state_dict()}
+    remove_stale_tmp_of(path)  # what a killed save to this path left (a file as large as the model)
+    atomic_write(path, lambda tmp: torch.save(contents, tmp))
+
+
+def storable_wrap_arguments(bnn: BayesianModel) -> tuple[str, dict]:
+    """The method and the ``bw.wrap`` keyword arguments that rebuild ``bnn``, as plain data (what :func:`save`
+    stores; ``bayeswrap.lightning`` saves them as hyper-parameters).
+
+    A ``prior_mean`` mapping is stored as ``"init"``: its tensors are the state's ``prior.mean`` entries.
+
+    Raises:
+        ValueError: if ``bnn`` was not made by ``bw.wrap``, was wrapped with a ``params`` callable, or has an
+            argument that is not plain data (see :func:`save`).
+    """
     recorded = getattr(bnn, "wrap_arguments", None)
     if not isinstance(recorded, Mapping):
         raise ValueError(f"this {type(bnn).__name__} was not made by bw.wrap(model, method, ...), so the arguments "
@@ -80,12 +98,7 @@ def save(bnn: BayesianModel, path: str | os.PathLike) -> None:
                          f"(this model's Bayesian parameters: {list(bnn.bayesian_names)[:8]})")
     if isinstance(arguments.get("prior_mean"), Mapping):
         arguments["prior_mean"] = "init"  # the mapping's tensors are the state's prior.mean entries
-    arguments = {name: _storable(name, value) for name, value in arguments.items()}
-    contents = {"format": FORMAT, "format_version": FORMAT_VERSION, "bayeswrap": __version__, "method": method,
-                "arguments": arguments, "training": bool(bnn.training), "architecture": architecture(bnn.model),
-                "state": bnn.state_dict()}
-    remove_stale_tmp_of(path)  # what a killed save to this path left (a file as large as the model)
-    atomic_write(path, lambda tmp: torch.save(contents, tmp))
+    return method, {name: _storable(name, value) for name, value in arguments.items()}
 
 
 def load(path: str | os.PathLike, model: nn.Module, *,
@@ -243,4 +256,4 @@ def _device(map_location) -> torch.device | None:
                          "'cpu', 'cuda', 'cuda:N', 'mps' or a torch.device") from None
 
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "architecture", "load", "save"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "architecture", "load", "save", "storable_wrap_arguments"]
