@@ -10,7 +10,6 @@ Nothing here trains a model or opens a run folder (:mod:`bayeswrap.app.runner` d
 from __future__ import annotations
 
 import csv
-import inspect
 import io as _stdio
 import logging
 import math
@@ -205,7 +204,7 @@ def temperature_bounds() -> tuple[float, float]:
     """The range ``(T_min, T_max)`` a fitted temperature is searched in: the default ``bounds`` of
     :func:`bayeswrap.evaluation.calibration.fit_temperature`, which the reports use.
     """
-    low, high = inspect.signature(calibration.fit_temperature).parameters["bounds"].default
+    low, high = calibration.TEMPERATURE_BOUNDS
     return float(low), float(high)
 
 

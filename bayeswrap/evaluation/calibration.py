@@ -58,6 +58,7 @@ __all__ = [
     "ECE_KINDS",
     "NLL_EPS",
     "ROW_SUM_TOL",
+    "TEMPERATURE_BOUNDS",
     "BinStats",
     "TemperatureFit",
     "accuracy",
@@ -640,8 +641,12 @@ def _check_temperature(T: Any) -> float:
     return t
 
 
+#: the default search range of :func:`fit_temperature`; a fitted T at either end is a warning sign
+TEMPERATURE_BOUNDS = (1e-2, 1e2)
+
+
 def fit_temperature(log_probs_val: ArrayLike, labels_val: ArrayLike, *, max_iter: int = 100,
-                    bounds: tuple[float, float] = (1e-2, 1e2),
+                    bounds: tuple[float, float] = TEMPERATURE_BOUNDS,
                     return_history: bool = False) -> float | TemperatureFit:
     r"""Fits the temperature T > 0 that minimises validation NLL (temperature scaling).
 
