@@ -45,7 +45,6 @@ References:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -241,48 +240,46 @@ class CurvatureFitting:
         if structure is not None:
             structure.fitted.fill_(False)
             structure.reset()
-        kernels = contextlib.ExitStack()
-        kernels.enter_context(native_kernels(has_recurrent(self.model)))  # cuDNN's RNN: no backward in eval mode
-        try:
-            for index, batch in enumerate(train_loader):
-                x, y = loader_pair(batch, f"fit_curvature's loader batch {index}", self.label_key, device,
-                                   self.likelihood.name == "categorical")
-                out = self.forward_with(theta, x)
-                self.likelihood.check_targets(out, y)
-                batch_log_lik = -self.likelihood.nll(out, y, reduction="none").double().sum()
-                if not bool(torch.isfinite(batch_log_lik)):  # one sync per batch (check_targets syncs anyway)
-                    self._raise_nonfinite_batch(index, x, y, theta)
-                log_lik += batch_log_lik
-                if self._learns_noise:
-                    residuals += torch.stack([(y - out).double().square().sum(), residuals.new_tensor(y.numel())])
-                if structure is not None:
-                    sampled = None
-                    if self.curvature == "fisher":
-                        sampled = [self.likelihood.sample_targets(out, generator=generator)
-                                   for _ in range(self.curvature_samples)]
-                    self._accumulate_structure(x, y, theta, sampled)
-                    if not diag_wanted:
-                        seen += batch_size(x)
-                        continue
-                with torch.enable_grad():
-                    if self.curvature == "ggn":
-                        torch._foreach_add_(list(curv.values()), list(self.ggn_diagonal(x, theta).values()))
-                    elif self.curvature == "fisher":
-                        sampled = [self.likelihood.sample_targets(out, generator=generator)
-                                   for _ in range(self.curvature_samples)]
-                        self._add_squared_grads(curv, x, sampled, theta, 1.0 / self.curvature_samples)
-                    else:
-                        self._add_squared_grads(curv, x, y, theta, 1.0)
-                seen += batch_size(x)
-            # data-parallel fits: every rank saw its own shard; the curvature, the log-likelihood and
-            # the example count are sums over examples, so summing them over the ranks gives the full terms
-            count = torch.tensor(float(seen), dtype=torch.float64, device=device)
-            all_reduce_sum_([*curv.values(), log_lik, count, residuals,
-                             *([] if structure is None else [t for t in structure.buffers() if t.is_floating_point()])])
-            seen = int(round(float(count)))
-        finally:
-            kernels.close()
-            self.train(was_training)
+        with native_kernels(has_recurrent(self.model)):  # cuDNN's RNN: no backward in eval mode
+            try:
+                for index, batch in enumerate(train_loader):
+                    x, y = loader_pair(batch, f"fit_curvature's loader batch {index}", self.label_key, device,
+                                       self.likelihood.name == "categorical")
+                    out = self.forward_with(theta, x)
+                    self.likelihood.check_targets(out, y)
+                    batch_log_lik = -self.likelihood.nll(out, y, reduction="none").double().sum()
+                    if not bool(torch.isfinite(batch_log_lik)):  # one sync per batch (check_targets syncs anyway)
+                        self._raise_nonfinite_batch(index, x, y, theta)
+                    log_lik += batch_log_lik
+                    if self._learns_noise:
+                        residuals += torch.stack([(y - out).double().square().sum(), residuals.new_tensor(y.numel())])
+                    if structure is not None:
+                        sampled = None
+                        if self.curvature == "fisher":
+                            sampled = [self.likelihood.sample_targets(out, generator=generator)
+                                       for _ in range(self.curvature_samples)]
+                        self._accumulate_structure(x, y, theta, sampled)
+                        if not diag_wanted:
+                            seen += batch_size(x)
+                            continue
+                    with torch.enable_grad():
+                        if self.curvature == "ggn":
+                            torch._foreach_add_(list(curv.values()), list(self.ggn_diagonal(x, theta).values()))
+                        elif self.curvature == "fisher":
+                            sampled = [self.likelihood.sample_targets(out, generator=generator)
+                                       for _ in range(self.curvature_samples)]
+                            self._add_squared_grads(curv, x, sampled, theta, 1.0 / self.curvature_samples)
+                        else:
+                            self._add_squared_grads(curv, x, y, theta, 1.0)
+                    seen += batch_size(x)
+                # data-parallel fits: every rank saw its own shard; the curvature, the log-likelihood and
+                # the example count are sums over examples, so summing them over the ranks gives the full terms
+                count = torch.tensor(float(seen), dtype=torch.float64, device=device)
+                factors = [] if structure is None else [t for t in structure.buffers() if t.is_floating_point()]
+                all_reduce_sum_([*curv.values(), log_lik, count, residuals, *factors])
+                seen = int(round(float(count)))
+            finally:
+                self.train(was_training)
         if seen == 0:
             raise ValueError("fit_curvature got an empty loader; it needs at least one (inputs, targets) batch")
         bad = nonfinite_names(curv.items())
