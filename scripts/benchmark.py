@@ -53,6 +53,8 @@ import shlex
 import sys
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin on a shared 2-core box
+
 if __package__ in (None, ""):  # run as a file: ``scripts`` is a package of the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

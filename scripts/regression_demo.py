@@ -35,9 +35,12 @@ Small models run faster single-threaded on CPU, so the script sets
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin on a shared 2-core box
 
 import numpy as np
 import torch

@@ -35,10 +35,13 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import os
 import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin on a shared 2-core box
 
 import numpy as np
 import torch
