@@ -294,9 +294,9 @@ def verify_digest(path, obj: Any) -> None:
         raise IntegrityError(f"checkpoint {path} cannot be checked: {err}; write it again (bw.save, or rerun) or "
                              "restore it from a copy") from None
     if record is None:
-        warnings.warn(f"checkpoint {path} has no digest of its contents (written by an older "
-                      "bayeswrap, or saved again with plain torch.save): it is loaded without checking that its data is "
-                      "undamaged; save it again with bayeswrap to add one", NoDigestWarning, stacklevel=3)
+        warnings.warn(f"checkpoint {path} has no digest of its contents (written by an older bayeswrap, or saved "
+                      "again with plain torch.save): it is loaded without checking that its data is undamaged; "
+                      "save it again with bayeswrap to add one", NoDigestWarning, stacklevel=3)
         return
     differences = digest.mismatches(record, obj)
     if differences:
@@ -306,8 +306,8 @@ def verify_digest(path, obj: Any) -> None:
         if expected is None:
             detail = f"{what} {shown} is not in the digest recorded when it was written (found SHA-256 {found})"
         elif found is None:
-            detail = f"{what} {shown} is in the digest recorded when it was written (SHA-256 {expected}) but " \
-                     "missing from the file"
+            detail = (f"{what} {shown} is in the digest recorded when it was written (SHA-256 {expected}) but "
+                      "missing from the file")
         else:
             detail = (f"{what} {shown} has SHA-256 {found}, but the digest recorded when it was written is "
                       f"{expected}")

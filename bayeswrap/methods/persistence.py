@@ -129,12 +129,12 @@ def load(path: str | os.PathLike, model: nn.Module, *,
             torch file, holds Python objects beyond plain data, or was not written by :func:`save` (or by a
             newer layout); :class:`bayeswrap.core.io.IntegrityError` (a subclass) if a tensor or value differs
             from the digest recorded at save time, naming it and both SHA-256 digests.
-
-    Warns:
-        bayeswrap.core.io.NoDigestWarning: for a file without a digest (written by an older bayeswrap).
         ValueError: if ``model``'s architecture differs from the saved one (the message names the first
             parameter or buffer that differs, and how), or ``map_location`` is not a device.
         TypeError: if ``model`` is not an ``nn.Module``.
+
+    Warns:
+        bayeswrap.core.io.NoDigestWarning: for a file without a digest (written by an older bayeswrap).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a fresh instance of the saved architecture), got "
