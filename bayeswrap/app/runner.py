@@ -15,6 +15,9 @@
         train.log
 
 Every file is written atomically, while the run holds the folder's lock (:class:`bayeswrap.app.runs.RunLock`).
+``best.pt`` and ``last.pt`` carry the SHA-256 of each tensor and value in an extra zip record that
+``torch.load`` ignores (``best.pt`` stays a bare ``state_dict``); ``--resume``, ``evaluate``, ``predict`` and
+``load_run`` refuse a file that differs from it (:mod:`bayeswrap.core.digest`).
 :func:`evaluate_run` scores a saved run again with another number of samples.
 """
 

@@ -365,7 +365,7 @@ def load_run(run_dir: str | os.PathLike, *, device: str | None = None) -> Loaded
 
     The model is rebuilt from ``config.yaml`` and ``data.json`` (so the
     training data need not be present) and ``best.pt`` is loaded with
-    ``weights_only=True``. No pretrained weights are downloaded.
+    ``weights_only=True`` and checked against its digest. No pretrained weights are downloaded.
 
     Args:
         run_dir: a folder written by ``bayeswrap fit`` or ``compare``.
@@ -375,7 +375,8 @@ def load_run(run_dir: str | os.PathLike, *, device: str | None = None) -> Loaded
         RunFolderError: if ``run_dir`` is not a run folder, or its run has not
             finished (it has no ``metrics.json``).
         bayeswrap.core.io.CheckpointError: naming the file, if ``best.pt`` is damaged
-            or does not match the config.
+            or does not match the config; ``bayeswrap.core.io.IntegrityError`` (a subclass),
+            naming the tensor and both digests, if its contents differ from its digest.
         ValueError: if ``config.yaml`` or ``data.json`` is not valid.
     """
     from dataclasses import replace

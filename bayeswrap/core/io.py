@@ -4,6 +4,13 @@ Every write goes through :func:`atomic_write` (or, for an appended log, :func:`o
 replaces or follows anything but a regular file, so a planted symbolic link, a device node (``/dev/null``), a
 named pipe or a folder at the destination is refused, never written through or renamed over
 (:class:`UnsafePathError`).
+
+Every torch file bayeswrap writes (:func:`save_checkpoint`: ``bw.save`` files, a run's ``best.pt`` and
+``last.pt``) carries the SHA-256 of each tensor and container it holds (:mod:`bayeswrap.core.digest`), and
+:func:`load_checkpoint`, the one reader of those files, checks it: a changed bit is refused
+(:class:`IntegrityError`, naming the file, the entry and both digests) instead of loading silently, since
+torch's reader does not check the zip's CRC-32. A file without a digest (an older bayeswrap's) loads with a
+:class:`NoDigestWarning`.
 """
 
 from __future__ import annotations
@@ -15,12 +22,15 @@ import os
 import pickle
 import stat
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+
+from bayeswrap.core import digest
 
 
 class UnsafePathError(ValueError):
@@ -174,17 +184,49 @@ def write_yaml(path, obj: Any) -> Path:
 
 
 def save_checkpoint(path, obj: Any) -> Path:
-    """``torch.save`` atomically; ``obj`` must be loadable with ``torch.load(..., weights_only=True)``."""
-    return atomic_write(path, lambda p: torch.save(obj, p))
+    """``torch.save`` atomically, with the SHA-256 of every tensor and container inside the file.
+
+    ``obj`` must be loadable with ``torch.load(..., weights_only=True)``; it still is, unchanged: the digest
+    (:func:`bayeswrap.core.digest.content_digest`) is an extra record of the zip archive that ``torch.load``
+    ignores and :func:`load_checkpoint` checks.
+    """
+    record = digest.content_digest(obj)
+
+    def write(tmp):
+        torch.save(obj, tmp)
+        digest.append_record(tmp, record)
+
+    return atomic_write(path, write)
 
 
 class CheckpointError(ValueError):
     """A checkpoint or weights file that is missing, unreadable or does not match; the message names the file."""
 
 
+class IntegrityError(CheckpointError):
+    """A file whose contents differ from the digest recorded when it was written (damaged on disk or in a copy).
+
+    The message names the file, the first entry (tensor or container key path) that differs, and the expected
+    and found SHA-256; :attr:`entry`, :attr:`expected` and :attr:`found` hold them.
+    """
+
+    def __init__(self, message: str, entry: str | None = None, expected: str | None = None,
+                 found: str | None = None):
+        super().__init__(message)
+        self.entry, self.expected, self.found = entry, expected, found
+
+
+class NoDigestWarning(UserWarning):
+    """A checkpoint without a digest of its contents (an older bayeswrap's, or saved again by plain ``torch.save``).
+
+    It is loaded, but damage to its data cannot be detected.
+    """
+
+
 def load_checkpoint(path, required: dict[str, type | tuple[type, ...]] | None = None, *,
                     inside: str | os.PathLike | None = None) -> Any:
-    """``torch.load(path, map_location="cpu", weights_only=True)``: never unrestricted pickle.
+    """``torch.load(path, map_location="cpu", weights_only=True)``: never unrestricted pickle; the contents are
+    checked against the file's digest (:func:`verify_digest`).
 
     Args:
         path: the file.
@@ -195,8 +237,12 @@ def load_checkpoint(path, required: dict[str, type | tuple[type, ...]] | None = 
     Raises:
         CheckpointError: naming the file, if it is missing, empty, truncated,
             not a torch checkpoint, pickles Python objects, or lacks a required
-            key or holds one of the wrong type.
+            key or holds one of the wrong type; :class:`IntegrityError` (a
+            subclass) if its contents differ from its digest.
         UnsafePathError: with ``inside``, for a symbolic link or a file outside that folder.
+
+    Warns:
+        NoDigestWarning: for a file without a digest (loaded unchecked).
     """
     path = Path(path)
     if inside is not None and (path.is_symlink() or path.resolve().parent != Path(inside).resolve()):
@@ -215,6 +261,7 @@ def load_checkpoint(path, required: dict[str, type | tuple[type, ...]] | None = 
     except Exception as err:  # truncated zip, random bytes, ...: EOFError, RuntimeError, ...
         raise CheckpointError(f"checkpoint {path} cannot be read, it is damaged or not a torch checkpoint "
                               f"({type(err).__name__}: {err})") from None
+    verify_digest(path, obj)
     if required:
         if not isinstance(obj, dict):
             raise CheckpointError(f"checkpoint {path} holds a {type(obj).__name__}; expected a mapping with keys "
@@ -228,6 +275,45 @@ def load_checkpoint(path, required: dict[str, type | tuple[type, ...]] | None = 
         if wrong:
             raise CheckpointError(f"checkpoint {path} has entries of the wrong type: {', '.join(wrong)}")
     return obj
+
+
+def verify_digest(path, obj: Any) -> None:
+    """Compares ``obj``, loaded from ``path``, with the digest recorded in the file (:mod:`bayeswrap.core.digest`).
+
+    Raises:
+        IntegrityError: naming the file, the first tensor or container (key path) whose SHA-256 differs and both
+            digests (with the count of further differences), or a damaged or unknown digest record.
+
+    Warns:
+        NoDigestWarning: if the file carries no digest (an older bayeswrap's, or one saved again with plain
+            ``torch.save``); it is then not checked.
+    """
+    try:
+        record = digest.read_record(path)
+    except digest.DigestRecordError as err:
+        raise IntegrityError(f"checkpoint {path} cannot be checked: {err}; write it again (bw.save, or rerun) or "
+                             "restore it from a copy") from None
+    if record is None:
+        warnings.warn(f"checkpoint {path} has no digest of its contents (written by an older bayeswrap, or saved "
+                      "again with plain torch.save): it is loaded without checking that its data is undamaged; "
+                      "save it again with bayeswrap to add one", NoDigestWarning, stacklevel=3)
+        return
+    differences = digest.mismatches(record, obj)
+    if differences:
+        what, entry, expected, found = differences[0]
+        more = f" (and {len(differences) - 1} more entries differ)" if len(differences) > 1 else ""
+        shown = entry or "(the top level)"
+        if expected is None:
+            detail = f"{what} {shown} is not in the digest recorded when it was written (found SHA-256 {found})"
+        elif found is None:
+            detail = (f"{what} {shown} is in the digest recorded when it was written (SHA-256 {expected}) but "
+                      "missing from the file")
+        else:
+            detail = (f"{what} {shown} has SHA-256 {found}, but the digest recorded when it was written is "
+                      f"{expected}")
+        raise IntegrityError(f"checkpoint {path} is damaged: {detail}{more}; its data changed after it was written "
+                             "(a disk or copy error); restore it from a copy or write it again", entry, expected,
+                             found)
 
 
 def _type_names(t) -> str:

@@ -11,7 +11,10 @@ them). :func:`save` stores that call next to the state, so :func:`load` needs on
 The file is one ``torch.save`` of plain data, read back with ``torch.load(..., weights_only=True)``
 (:func:`bayeswrap.core.io.load_checkpoint`: never unrestricted pickle), written atomically
 (:func:`bayeswrap.core.io.atomic_write`: a reader never sees a half-written file, and a symbolic link, device,
-pipe or folder at the destination is refused)::
+pipe or folder at the destination is refused), with the SHA-256 of every tensor and container of it in an extra
+record of the zip archive that ``torch.load`` ignores (:mod:`bayeswrap.core.digest`): :func:`load` refuses a
+file whose contents changed since (:class:`bayeswrap.core.io.IntegrityError`) and warns for one without a
+digest (:class:`bayeswrap.core.io.NoDigestWarning`, a file of an older bayeswrap)::
 
     {"format": "bayeswrap.save", "format_version": 1, "bayeswrap": "<version that wrote it>",
      "method": "vi", "arguments": {wrap's keyword arguments}, "training": bool,
@@ -33,7 +36,7 @@ import torch
 from torch import nn
 
 from bayeswrap._version import __version__
-from bayeswrap.core.io import CheckpointError, atomic_write, load_checkpoint, remove_stale_tmp_of
+from bayeswrap.core.io import CheckpointError, load_checkpoint, remove_stale_tmp_of, save_checkpoint
 from bayeswrap.core.modules import unwrap_compiled
 from bayeswrap.methods import METHODS, BayesianModel, wrap
 
@@ -72,7 +75,7 @@ def save(bnn: BayesianModel, path: str | os.PathLike) -> None:
                 "arguments": arguments, "training": bool(bnn.training), "architecture": architecture(bnn.model),
                 "state": bnn.state_dict()}
     remove_stale_tmp_of(path)  # what a killed save to this path left (a file as large as the model)
-    atomic_write(path, lambda tmp: torch.save(contents, tmp))
+    save_checkpoint(path, contents)  # atomic, with the digest of every tensor and container
 
 
 def storable_wrap_arguments(bnn: BayesianModel) -> tuple[str, dict]:
@@ -124,10 +127,14 @@ def load(path: str | os.PathLike, model: nn.Module, *,
     Raises:
         bayeswrap.core.io.CheckpointError: naming the file, if it is missing, empty, truncated, damaged, not a
             torch file, holds Python objects beyond plain data, or was not written by :func:`save` (or by a
-            newer layout).
+            newer layout); :class:`bayeswrap.core.io.IntegrityError` (a subclass) if a tensor or value differs
+            from the digest recorded at save time, naming it and both SHA-256 digests.
         ValueError: if ``model``'s architecture differs from the saved one (the message names the first
             parameter or buffer that differs, and how), or ``map_location`` is not a device.
         TypeError: if ``model`` is not an ``nn.Module``.
+
+    Warns:
+        bayeswrap.core.io.NoDigestWarning: for a file without a digest (written by an older bayeswrap).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a fresh instance of the saved architecture), got "
