@@ -6,7 +6,7 @@
         config.yaml        the fully resolved config
         data.json          what a saved run needs to know about its data (bayeswrap.app.build.DataInfo)
         metrics.json       per-epoch history and the final reports (calibration, selective, gamma, conformal, shift,
-                           ood)
+                           ood); train_seconds, the time trained (epochs and finalising) over every session
         best.pt            best-validation checkpoint (torch.load(..., weights_only=True))
         last.pt            last epoch's checkpoint (for --resume)
         history.csv        the per-epoch history
@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,19 +41,10 @@ from bayeswrap.app.build import (
     preflight,
 )
 from bayeswrap.app.config import FIELDS, RESUME_ALLOWED, RunConfig, coerce, load_run_config
+from bayeswrap.app.outputs import naming_failures, save_checkpoint, write_json, write_text, write_yaml
 from bayeswrap.app.reports import final_reports, history_csv, operating_point_reports, write_plots
 from bayeswrap.core import distributed
-from bayeswrap.core.io import (
-    CheckpointError,
-    UnsafePathError,
-    file_kind,
-    load_checkpoint,
-    open_append,
-    save_checkpoint,
-    write_json,
-    write_text,
-    write_yaml,
-)
+from bayeswrap.core.io import CheckpointError, UnsafePathError, file_kind, load_checkpoint, open_append
 from bayeswrap.data.datasets import DataSplits
 from bayeswrap.evaluation import plots
 from bayeswrap.methods import BayesianModel
@@ -110,6 +102,7 @@ def resume_config(run_dir: str | Path, overrides: dict) -> tuple[RunConfig, dict
             config.yaml.
     """
     run_dir = Path(run_dir)
+    runs.refuse_symlink(run_dir, f"--resume {run_dir}: the run folder")
     if not (run_dir / "config.yaml").is_file():
         raise ValueError(f"--resume {run_dir}: no config.yaml there; accepted: a run folder written by bayeswrap fit")
     saved = load_run_config(run_dir / "config.yaml")
@@ -291,6 +284,9 @@ def check_last_checkpoint(ckpt: dict, path: Path) -> dict:
         raise bad("scaler", type(ckpt["scaler"]).__name__, "a mapping (the GradScaler state)")
     if "resumes" in ckpt and not isinstance(ckpt["resumes"], list):
         raise bad("resumes", type(ckpt["resumes"]).__name__, "a list")
+    elapsed = ckpt.get("elapsed", 0.0)
+    if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not 0 <= elapsed < math.inf:
+        raise bad("elapsed", repr(elapsed), "the seconds trained so far, a finite number >= 0")
     return ckpt
 
 
@@ -300,8 +296,10 @@ def _sample_and_report(cfg, run_dir, splits, ood_test, bnn, device, sample_count
     x = torch.cat([b[0] for b in loader])
     y = torch.cat([b[1] for b in loader])
     log.info("config: %s", cfg.to_dict())
+    tic = time.perf_counter()
     stats = bnn.run_chains(x, y, **cfg.method_arguments("run"),
                            generator=torch.Generator(device=device).manual_seed(cfg.seed))
+    seconds = time.perf_counter() - tic
     save_checkpoint(run_dir / "best.pt", bnn.state_dict())
     diagnostics = bnn.diagnostics()
     log.info("%s: %s", cfg.method, diagnostics["summary"])
@@ -313,8 +311,10 @@ def _sample_and_report(cfg, run_dir, splits, ood_test, bnn, device, sample_count
         report, arrays = final_reports(bnn, splits, ood_test, cfg, s, device)
         reports[str(s)] = report
         if s == sample_counts[-1]:
-            write_plots(run_dir, report, arrays, [], cfg)
-    metrics = {"history": [], "best_epoch": None, "final": reports, "mcmc": {**stats, "diagnostics": diagnostics}}
+            with naming_failures(run_dir, "writing the figures"):
+                write_plots(run_dir, report, arrays, [], cfg)
+    metrics = {"history": [], "best_epoch": None, "final": reports, "mcmc": {**stats, "diagnostics": diagnostics},
+               "train_seconds": seconds}
     write_json(run_dir / "metrics.json", metrics)
     return metrics
 
@@ -330,7 +330,9 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
     scaler = torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None
     val_loader = eval_loader(splits.val, cfg) if len(splits.val) else None
     test_loader = eval_loader(splits.test, cfg)
-    state = {"history": [], "best_val_nll": float("inf"), "best_epoch": 0, "resumes": []}
+    # elapsed: the seconds this run has trained (fit and after_fit) in earlier sessions, up to its last checkpoint
+    state = {"history": [], "best_val_nll": float("inf"), "best_epoch": 0, "resumes": [], "elapsed": 0.0}
+    session = time.perf_counter()
     start_epoch = 0
     if ckpt is not None:
         torch.set_rng_state(ckpt["rng"])
@@ -342,6 +344,7 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
         if changes:
             state["resumes"] = [*state["resumes"], {"epoch": start_epoch, "changes": changes}]
     scheduler = make_scheduler(cfg, optimizer, start_epoch)
+    before = float(state["elapsed"])
     if main:
         log.info("config: %s", cfg.to_dict())
         log.info("data: %s, %d classes; Bayesian parameters: %d tensors, num_data=%d", splits.sizes(),
@@ -362,6 +365,7 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
             return
         # without validation data, or for a sampler (its posterior is the whole chain), the last epoch is best
         val_nll = record.get("val_nll", -float(epoch)) if bnn.select_best_epoch else -float(epoch)
+        state["elapsed"] = before + time.perf_counter() - session
         if val_nll < state["best_val_nll"]:
             state["best_val_nll"], state["best_epoch"] = val_nll, epoch + 1
             save_checkpoint(run_dir / "best.pt", bnn.state_dict())
@@ -397,14 +401,17 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
         return None
     if post_hoc is not None:
         tuning = post_hoc(bnn, splits, tuning)
+    seconds = before + time.perf_counter() - session  # training and finalising, over every session of the run
     save_checkpoint(run_dir / "best.pt", bnn.state_dict())
     reports = {}
     for s in sample_counts:
         report, arrays = final_reports(bnn, splits, ood_test, cfg, s, device)
         reports[str(s)] = report
         if s == sample_counts[-1]:
-            write_plots(run_dir, report, arrays, state["history"], cfg)
-    metrics = {"history": state["history"], "best_epoch": state["best_epoch"], "final": reports}
+            with naming_failures(run_dir, "writing the figures"):
+                write_plots(run_dir, report, arrays, state["history"], cfg)
+    metrics = {"history": state["history"], "best_epoch": state["best_epoch"], "final": reports,
+               "train_seconds": seconds}
     if tuning is not None:
         metrics["tuning"] = tuning
         if post_hoc is not None:
@@ -453,6 +460,7 @@ def evaluate_run(run_dir: str | Path, num_samples: int | None = None) -> dict:
         ValueError: if the folder has no ``config.yaml`` or the checkpoint does not match.
     """
     run_dir = Path(run_dir)
+    runs.refuse_symlink(run_dir, f"evaluate {run_dir}: the run folder")
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "best.pt").is_file():
         raise ValueError(f"{run_dir} is not a finished run folder (needs config.yaml and best.pt)")
     cfg = load_run_config(run_dir / "config.yaml")
@@ -465,7 +473,7 @@ def evaluate_run(run_dir: str | Path, num_samples: int | None = None) -> dict:
     s = cfg.num_samples if num_samples is None else num_samples
     if isinstance(s, bool) or not isinstance(s, int) or s < 0:
         raise ValueError(f"num_samples={s!r} is not valid; accepted: an integer >= 0")
-    with runs.open_existing(run_dir):
+    with runs.open_existing(run_dir, what="evaluate"):
         report, _ = final_reports(bnn, splits, ood_test, cfg, s, device)
         write_json(run_dir / f"eval_S{s}.json", report)
     return report
