@@ -48,7 +48,7 @@ def output_error(err: OSError, path: str | os.PathLike | None, operation: str = 
         path = path.with_name(match["name"]) if match else path
     code = getattr(err, "errno", None)
     reason = f"{os.strerror(code)} (errno {code})" if code else str(err)
-    if code and err.strerror and err.strerror != os.strerror(code):  # a message of core.io: keep its detail
+    if path is None and code and err.strerror and err.strerror != os.strerror(code):  # core.io's, naming the file
         reason += f" [{err.strerror}]"
     if path is not None:
         path = Path(path)

@@ -177,8 +177,8 @@ COMPARE_COLUMNS = ("method", "tuned", "cost", "num_samples", "predictive", "erro
                    "temperature", "shift_error", "shift_ece", "shift_nll", "shift_ece_Topt", "shift_nll_Topt",
                    "ood_auroc_entropy", "ood_auroc_mi", "coverage", "set_size", "note")
 """Columns of comparison.csv and comparison_full.md: the options chosen by tuning (``prior_std=0.3, kl_weight=0.01``; empty
-with ``--no-tune``); the final run's training time (epochs and finalising, over every session of a resumed run) as a
-multiple of MAP's in the same comparison (empty without MAP; tuning runs not counted); S; the predictive the row was scored with (the method's default, e.g.
+with ``--no-tune``); the final run's training time (its epochs', those before a resume included) as a multiple of
+MAP's in the same comparison (empty without MAP; tuning runs not counted); S; the predictive the row was scored with (the method's default, e.g.
 ``GLM(link='probit')`` for Laplace, ``Sampled()``; empty for a run from before it was recorded); in distribution at T = 1 and at the fitted T; the mean over every
 non-zero shift intensity (rotation and noise) at T = 1 and at the in-distribution T; OOD AUROC of
 held-out classes scored by predictive entropy and by mutual information (empty for S < 2); the test coverage and
@@ -281,14 +281,11 @@ def comparison_rows(results: dict[str, dict], baseline: str) -> list[dict]:
     """One row per (method or operating point, S) from each run's final reports (BayesDLL Table 2 layout, plus
     shift and OOD); see :func:`operating_points` for the labels.
 
-    ``cost`` is a run's training time as a multiple of the ``baseline`` method's (None without that method): its
-    ``train_seconds`` (epochs and finalising, e.g. a curvature fit or a sampler's chains, summed over every session of
-    a resumed run, :func:`bayeswrap.app.runner.run_fit`), or for a run written before that was recorded, the sum of
-    its epochs' ``seconds``.
+    ``cost`` is a run's training time as a multiple of the ``baseline`` method's (None without that method): the
+    sum of its epochs' ``seconds``, which ``last.pt`` keeps, so a resumed run counts its epochs before the resume.
     """
     rows = []
-    seconds = {m: r["train_seconds"] if isinstance(r.get("train_seconds"), (int, float)) else
-               sum(h.get("seconds", 0.0) for h in r.get("history", [])) for m, r in results.items()}
+    seconds = {m: sum(h.get("seconds", 0.0) for h in r.get("history", [])) for m, r in results.items()}
     labelled = {label: (method, metrics) for method, run in results.items()
                 for label, metrics in operating_points(method, run).items()}
     for label, (method, metrics) in labelled.items():

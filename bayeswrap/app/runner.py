@@ -6,7 +6,7 @@
         config.yaml        the fully resolved config
         data.json          what a saved run needs to know about its data (bayeswrap.app.build.DataInfo)
         metrics.json       per-epoch history and the final reports (calibration, selective, gamma, conformal, shift,
-                           ood); train_seconds, the time trained (epochs and finalising) over every session
+                           ood)
         best.pt            best-validation checkpoint (torch.load(..., weights_only=True))
         last.pt            last epoch's checkpoint (for --resume)
         history.csv        the per-epoch history
@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import math
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -284,9 +283,6 @@ def check_last_checkpoint(ckpt: dict, path: Path) -> dict:
         raise bad("scaler", type(ckpt["scaler"]).__name__, "a mapping (the GradScaler state)")
     if "resumes" in ckpt and not isinstance(ckpt["resumes"], list):
         raise bad("resumes", type(ckpt["resumes"]).__name__, "a list")
-    elapsed = ckpt.get("elapsed", 0.0)
-    if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not 0 <= elapsed < math.inf:
-        raise bad("elapsed", repr(elapsed), "the seconds trained so far, a finite number >= 0")
     return ckpt
 
 
@@ -296,10 +292,8 @@ def _sample_and_report(cfg, run_dir, splits, ood_test, bnn, device, sample_count
     x = torch.cat([b[0] for b in loader])
     y = torch.cat([b[1] for b in loader])
     log.info("config: %s", cfg.to_dict())
-    tic = time.perf_counter()
     stats = bnn.run_chains(x, y, **cfg.method_arguments("run"),
                            generator=torch.Generator(device=device).manual_seed(cfg.seed))
-    seconds = time.perf_counter() - tic
     save_checkpoint(run_dir / "best.pt", bnn.state_dict())
     diagnostics = bnn.diagnostics()
     log.info("%s: %s", cfg.method, diagnostics["summary"])
@@ -313,8 +307,7 @@ def _sample_and_report(cfg, run_dir, splits, ood_test, bnn, device, sample_count
         if s == sample_counts[-1]:
             with naming_failures(run_dir, "writing the figures"):
                 write_plots(run_dir, report, arrays, [], cfg)
-    metrics = {"history": [], "best_epoch": None, "final": reports, "mcmc": {**stats, "diagnostics": diagnostics},
-               "train_seconds": seconds}
+    metrics = {"history": [], "best_epoch": None, "final": reports, "mcmc": {**stats, "diagnostics": diagnostics}}
     write_json(run_dir / "metrics.json", metrics)
     return metrics
 
@@ -330,9 +323,7 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
     scaler = torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None
     val_loader = eval_loader(splits.val, cfg) if len(splits.val) else None
     test_loader = eval_loader(splits.test, cfg)
-    # elapsed: the seconds this run has trained (fit and after_fit) in earlier sessions, up to its last checkpoint
-    state = {"history": [], "best_val_nll": float("inf"), "best_epoch": 0, "resumes": [], "elapsed": 0.0}
-    session = time.perf_counter()
+    state = {"history": [], "best_val_nll": float("inf"), "best_epoch": 0, "resumes": []}
     start_epoch = 0
     if ckpt is not None:
         torch.set_rng_state(ckpt["rng"])
@@ -344,7 +335,6 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
         if changes:
             state["resumes"] = [*state["resumes"], {"epoch": start_epoch, "changes": changes}]
     scheduler = make_scheduler(cfg, optimizer, start_epoch)
-    before = float(state["elapsed"])
     if main:
         log.info("config: %s", cfg.to_dict())
         log.info("data: %s, %d classes; Bayesian parameters: %d tensors, num_data=%d", splits.sizes(),
@@ -365,7 +355,6 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
             return
         # without validation data, or for a sampler (its posterior is the whole chain), the last epoch is best
         val_nll = record.get("val_nll", -float(epoch)) if bnn.select_best_epoch else -float(epoch)
-        state["elapsed"] = before + time.perf_counter() - session
         if val_nll < state["best_val_nll"]:
             state["best_val_nll"], state["best_epoch"] = val_nll, epoch + 1
             save_checkpoint(run_dir / "best.pt", bnn.state_dict())
@@ -401,7 +390,6 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
         return None
     if post_hoc is not None:
         tuning = post_hoc(bnn, splits, tuning)
-    seconds = before + time.perf_counter() - session  # training and finalising, over every session of the run
     save_checkpoint(run_dir / "best.pt", bnn.state_dict())
     reports = {}
     for s in sample_counts:
@@ -410,8 +398,7 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
         if s == sample_counts[-1]:
             with naming_failures(run_dir, "writing the figures"):
                 write_plots(run_dir, report, arrays, state["history"], cfg)
-    metrics = {"history": state["history"], "best_epoch": state["best_epoch"], "final": reports,
-               "train_seconds": seconds}
+    metrics = {"history": state["history"], "best_epoch": state["best_epoch"], "final": reports}
     if tuning is not None:
         metrics["tuning"] = tuning
         if post_hoc is not None:
