@@ -29,6 +29,9 @@ _TMP_NAME = re.compile(r"\.(?P<name>.+)\.\d+\.[^.]+\.tmp")
 class RunOutputError(OSError):
     """A file of a run that could not be written; the message names the file, its folder and the operation."""
 
+    def __str__(self) -> str:  # the message alone: it names the errno itself
+        return str(self.strerror)
+
 
 def output_error(err: OSError, path: str | os.PathLike | None, operation: str = "writing",
                  folder: str | os.PathLike | None = None) -> RunOutputError:
