@@ -311,6 +311,14 @@ def test_evaluate_and_resume_through_a_symlinked_run_folder_say_it_is_a_link(map
         assert f"{link}: the run folder is a symbolic link to {map_run}" in err, err
         assert f"Pass the real path instead: {map_run.resolve()}" in err and "Traceback" not in err
     assert not (map_run / ".lock").exists()
+    # a new run whose folder name is taken by a link: neither --resume nor --overwrite applies
+    for flags in ([], ["--overwrite"]):
+        assert cli.main(["fit", "--method", "map", "--epochs", "1", "--out-dir", str(tmp_path), "--run-name", "alias",
+                         *flags, *FAST]) == 2
+        err = capsys.readouterr().err
+        assert f"run folder {link} is a symbolic link to {map_run}" in err and "pass --resume" not in err
+        assert "choose another --run-name or --out-dir" in err
+    assert link.is_symlink() and (map_run / "best.pt").is_file()
 
 
 def test_a_symlinked_method_folder_of_a_comparison_is_refused_saying_where_it_points(comparison, tmp_path,

@@ -194,11 +194,11 @@ def check_new(out_dir: str | os.PathLike, name: str, *, overwrite: bool = False)
         raise RunFolderError(f"run name {name!r} is not a single folder name")
     if not (run_dir.exists() or run_dir.is_symlink()):
         return run_dir
+    refuse_symlink(run_dir, f"run folder {run_dir}", "Not writing into it, nor removing it with --overwrite; choose "
+                   "another --run-name or --out-dir, or remove the link yourself")
     hint = f"pass --resume {run_dir} to continue it"
     if not overwrite:
         raise RunFolderError(f"run folder {run_dir} exists; {hint} or --overwrite to replace it")
-    refuse_symlink(run_dir, "--overwrite: run folder", "Not removing it (nor what it points to); choose another "
-                   "--run-name, or remove the link yourself")
     if not _inside(out_dir, run_dir):
         raise RunFolderError(f"--overwrite: {run_dir} lies outside out_dir={str(out_dir)!r}; not removing it")
     if not is_run_folder(run_dir):
