@@ -142,6 +142,9 @@ class DataInfo:
         image_shape: its ``(C, H, W)`` image layout.
         num_train: training-set size (before ``num_data_inflate``).
         steps_per_epoch: optimizer steps per epoch.
+        input_range: ``[min, max]`` over every value of the training inputs, for a training split held in memory
+            (:func:`training_input_range`); None where it is not known (image files, runs written before it was
+            recorded). ``predict`` compares new array inputs with it (:mod:`bayeswrap.app.input_range`).
     """
 
     dataset: str
@@ -150,6 +153,7 @@ class DataInfo:
     image_shape: list[int]
     num_train: int
     steps_per_epoch: int
+    input_range: list[float] | None = None
     num_classes: int = field(init=False)
 
     def __post_init__(self):
@@ -159,6 +163,8 @@ class DataInfo:
     def to_dict(self) -> dict:
         out = asdict(self)
         out.pop("num_classes")
+        if out["input_range"] is None:  # unknown: left out, as in the data.json of older runs
+            out.pop("input_range")
         return out
 
 
@@ -168,7 +174,20 @@ def data_info(splits: DataSplits, cfg: RunConfig) -> DataInfo:
         [str(i) for i in range(splits.num_classes)]
     return DataInfo(dataset=splits.name, class_names=names, input_shape=list(splits.input_shape),
                     image_shape=list(splits.image_shape or splits.input_shape), num_train=len(splits.train),
-                    steps_per_epoch=(len(splits.train) + cfg.batch_size - 1) // cfg.batch_size)
+                    steps_per_epoch=(len(splits.train) + cfg.batch_size - 1) // cfg.batch_size,
+                    input_range=training_input_range(splits.train))
+
+
+def training_input_range(dataset) -> list[float] | None:
+    """``[min, max]`` over every value of a training split's inputs when they are held in memory as one tensor
+    (:class:`~bayeswrap.data.datasets.ArrayDataset`: digits, mnist5k), read without a pass over the data; None for
+    a split that decodes its inputs (image files), whose range would cost a pass over every image.
+    """
+    inputs = getattr(dataset, "inputs", None)
+    if not isinstance(inputs, torch.Tensor) or not inputs.numel() or inputs.dtype == torch.bool or inputs.is_complex():
+        return None
+    low, high = float(inputs.min()), float(inputs.max())
+    return [low, high] if math.isfinite(low) and math.isfinite(high) else None
 
 
 def run_data_config(cfg: RunConfig, model: torch.nn.Module) -> dict | None:

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from bayeswrap.app.cli_parser import check_args, int_list, make_parser, method_hint, parse
@@ -46,6 +47,7 @@ def _predict_command(args) -> int:
     import io as _stdio
 
     from bayeswrap.app import runs
+    from bayeswrap.app.input_range import InputRangeWarning
     from bayeswrap.app.reports import predict_rows
     from bayeswrap.core.checks import MAX_PREDICTIVE_SAMPLES, check_device, check_seed
     from bayeswrap.core.io import remove_stale_tmp_of, write_text
@@ -59,7 +61,15 @@ def _predict_command(args) -> int:
     out = runs.check_user_output(args.out, overwrite=args.overwrite)
     run = runs.load_run(args.run_dir, device=args.device)
     inputs, names = load_inputs(args.inputs, run.transform, run.input_shape)
-    probs, samples = run.predictive(inputs, s, batch_size=batch_size, seed=seed)  # as metrics.json scored it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", InputRangeWarning)
+        probs, samples = run.predictive(inputs, s, batch_size=batch_size, seed=seed,  # as metrics.json scored it
+                                        allow_out_of_range=args.allow_out_of_range, source=repr(str(args.inputs)))
+    for warning in caught:
+        if issubclass(warning.category, InputRangeWarning):
+            print(f"bayeswrap: warning: {warning.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     rows = predict_rows(probs, names, run.class_names, samples)
     buf = _stdio.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))

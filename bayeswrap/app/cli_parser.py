@@ -228,6 +228,12 @@ def make_parser(method: str | None = None) -> argparse.ArgumentParser:
                                                      "(default: the run's)")
     p_pr.add_argument("--seed", default="0", help="seed of the posterior samples, an integer in [0, 2^63 - 1] "
                                                   "(default: 0)")
+    p_pr.add_argument("--allow-out-of-range", action="store_true",
+                      help="predict array inputs far outside the training inputs' range (the run's data.json "
+                           "input_range) with a warning instead of refusing them. Without it: inside the range, "
+                           "nothing is said; beyond it by at most 10 times its width, a warning; beyond it by more, "
+                           "or a value of magnitude above 2^24 (where float32 no longer holds every integer), an "
+                           "error naming the file, its range and the recorded one")
     parser.subcommands = sub.choices
     return parser
 

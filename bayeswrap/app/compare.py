@@ -13,9 +13,9 @@ n, the tuning candidate and an overall ETA, and sums up each method's warnings i
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +37,9 @@ from bayeswrap.app.config import (
     read_yaml_file,
     resolve_values,
 )
+from bayeswrap.app.markdown import check_metrics_names
 from bayeswrap.app.options import option_users
+from bayeswrap.app.outputs import naming_failures, write_json, write_text, write_yaml
 from bayeswrap.app.progress import SILENT, CompareProgress, counted_warnings, warning_details, warning_summary
 from bayeswrap.app.reports import (
     comparison_rows,
@@ -49,7 +51,6 @@ from bayeswrap.app.reports import (
     write_uncertainty_plots,
 )
 from bayeswrap.app.runner import RunInterrupted, run_fit
-from bayeswrap.core.io import write_json, write_text, write_yaml
 from bayeswrap.evaluation import plots
 from bayeswrap.evaluation.tuning import tune_with_prior
 from bayeswrap.methods import METHODS, tuning_bounds, tuning_option
@@ -125,6 +126,7 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
     changes: dict = {}
     if resume is not None:
         base = Path(resume)
+        runs.refuse_symlink(base, f"--resume {base}: the comparison folder")
         saved_path = base / "compare.yaml"
         if not saved_path.is_file():
             raise ValueError(f"--resume {base}: no compare.yaml there; accepted: a folder written by bayeswrap "
@@ -208,9 +210,10 @@ def run_compare(config_path: str | None, overrides: dict, methods: list[str],
         # laplace (marglik)) is drawn on its own
         last = {label: point["final"][str(sample_counts[-1])] for m, r in results.items()
                 for label, point in operating_points(m, r).items()}
-        plots.reliability_grid({m: r["bins"] for m, r in last.items()}, base / "reliability.png",
-                               num_samples=sample_counts[-1], title="Reliability on the test set, T = 1")
-        write_uncertainty_plots(base, last, temperature_scaled=PRIOR_SOURCE)
+        with naming_failures(base, "writing the figures"):
+            plots.reliability_grid({m: r["bins"] for m, r in last.items()}, base / "reliability.png",
+                                   num_samples=sample_counts[-1], title="Reliability on the test set, T = 1")
+            write_uncertainty_plots(base, last, temperature_scaled=PRIOR_SOURCE)
         return base, rows
     except KeyboardInterrupt:
         raise RunInterrupted(base, command) from None
@@ -303,10 +306,14 @@ def _compare_one(base: Path, method: str, cfg: RunConfig, sample_counts, tune_op
     """
     progress = progress or SILENT
     run_dir = base / method
+    runs.refuse_symlink(run_dir, f"the method folder {run_dir} of the comparison", advice=(
+        f"Replace the link by the folder itself (move {os.path.realpath(run_dir)} to {run_dir}), or remove the "
+        f"link to run {method} again, then resume: {command}"))
     run_cfg = replace(cfg, out_dir=str(base), run_name=method, overwrite=False)
     if resume and (run_dir / "metrics.json").is_file():
         progress.start_method(method, f"finished; keeping {run_dir / 'metrics.json'}")
-        return json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
+        return check_metrics_names(read_json_file(run_dir / "metrics.json", what="run metrics"),
+                                   run_dir / "metrics.json")
     tuning_path = base / f"tuning_{method}.json"
     tuning = None
     knob = knob_of(method) if tune_options else None

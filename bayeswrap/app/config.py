@@ -690,12 +690,21 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
 
 #: what ``data.json`` holds (:class:`bayeswrap.app.build.DataInfo`): field -> (check, accepted in words)
 _MAX_CLASSES = 1_000_000
-_MAX_SHAPE = 1 << 31
+#: the most values one model input of a run may hold (the product of ``input_shape``): 2**24, 64 MiB as float32,
+#: above a 3 x 2048 x 2048 image; a ``data.json`` claiming more is refused before the model is built from it
+MAX_INPUT_VALUES = 1 << 24
 
 
 def _shape(value) -> bool:
     return isinstance(value, list) and 1 <= len(value) <= 8 and all(
-        isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= _MAX_SHAPE for v in value)
+        isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_INPUT_VALUES for v in value) \
+        and math.prod(value) <= MAX_INPUT_VALUES
+
+
+def _input_range(value) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value) \
+        and value[0] <= value[1]
 
 
 DATA_JSON_FIELDS: dict[str, tuple[Any, str]] = {
@@ -703,11 +712,16 @@ DATA_JSON_FIELDS: dict[str, tuple[Any, str]] = {
     "class_names": (lambda v: isinstance(v, list) and 1 <= len(v) <= _MAX_CLASSES
                     and all(isinstance(c, str) and len(c) <= 4096 for c in v),
                     f"a list of 1 to {_MAX_CLASSES:,} class names (strings)"),
-    "input_shape": (_shape, "a list of 1 to 8 positive integers, e.g. [64] or [3, 224, 224]"),
-    "image_shape": (_shape, "a list of 1 to 8 positive integers, e.g. [1, 8, 8]"),
+    "input_shape": (_shape, f"a list of 1 to 8 positive integers holding at most {MAX_INPUT_VALUES:,} values in all "
+                            "(their product), e.g. [64] or [3, 224, 224]"),
+    "image_shape": (_shape, f"a list of 1 to 8 positive integers holding at most {MAX_INPUT_VALUES:,} values in all "
+                            "(their product), e.g. [1, 8, 8]"),
     "num_train": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
     "steps_per_epoch": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+    "input_range": (_input_range, "[min, max] of the training inputs, two finite numbers with min <= max"),
 }
+#: the fields of ``data.json`` that older runs lack (written since issue 34: ``input_range``)
+OPTIONAL_DATA_JSON_FIELDS = ("input_range",)
 
 
 def check_data_json(values: Any, path: str | os.PathLike) -> dict[str, Any]:
@@ -719,20 +733,21 @@ def check_data_json(values: Any, path: str | os.PathLike) -> dict[str, Any]:
 
     Raises:
         ValueError: naming the file and the field, for a value that is not a mapping, a missing or unknown
-            field, or a field of the wrong type or range (``input_shape`` must be positive integers).
+            field, or a field of the wrong type or range (``input_shape`` must be positive integers holding at
+            most :data:`MAX_INPUT_VALUES` values in all; ``input_range``, optional, two finite numbers).
     """
     if not isinstance(values, dict):
         raise ValueError(f"{str(path)!r} is not a data record (a mapping of field: value), but a "
                          f"{type(values).__name__}")
     unknown = [k for k in values if k not in DATA_JSON_FIELDS]
-    missing = [k for k in DATA_JSON_FIELDS if k not in values]
+    missing = [k for k in DATA_JSON_FIELDS if k not in values and k not in OPTIONAL_DATA_JSON_FIELDS]
     if unknown or missing:
         raise ValueError(f"{str(path)!r} is not a valid data record: " + "; ".join(
             ([f"unknown field(s) {', '.join(map(repr, unknown))}"] if unknown else []) +
             ([f"missing field(s) {', '.join(missing)}"] if missing else [])) +
             f"; accepted fields: {', '.join(DATA_JSON_FIELDS)}")
     for name, (ok, accepted) in DATA_JSON_FIELDS.items():
-        if not ok(values[name]):
+        if name in values and not ok(values[name]):
             shown = repr(values[name])
             shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise ValueError(f"{str(path)!r}: {name}={shown} is not valid; accepted: {accepted}")

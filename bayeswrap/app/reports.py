@@ -21,6 +21,7 @@ import torch
 
 from bayeswrap.app.build import eval_loader
 from bayeswrap.app.config import RunConfig
+from bayeswrap.app.markdown import markdown_text
 from bayeswrap.data.shift import CORRUPTION, shifted_dataset
 from bayeswrap.evaluation import calibration, conformal, plots, protocol
 from bayeswrap.evaluation.uncertainty import expected_entropy, mutual_information, predictive_entropy
@@ -176,8 +177,8 @@ COMPARE_COLUMNS = ("method", "tuned", "cost", "num_samples", "predictive", "erro
                    "temperature", "shift_error", "shift_ece", "shift_nll", "shift_ece_Topt", "shift_nll_Topt",
                    "ood_auroc_entropy", "ood_auroc_mi", "coverage", "set_size", "note")
 """Columns of comparison.csv and comparison_full.md: the options chosen by tuning (``prior_std=0.3, kl_weight=0.01``; empty
-with ``--no-tune``); the final run's training time as a multiple of MAP's in the same comparison (empty
-without MAP; tuning runs not counted); S; the predictive the row was scored with (the method's default, e.g.
+with ``--no-tune``); the final run's training time (its epochs', those before a resume included) as a multiple of
+MAP's in the same comparison (empty without MAP; tuning runs not counted); S; the predictive the row was scored with (the method's default, e.g.
 ``GLM(link='probit')`` for Laplace, ``Sampled()``; empty for a run from before it was recorded); in distribution at T = 1 and at the fitted T; the mean over every
 non-zero shift intensity (rotation and noise) at T = 1 and at the in-distribution T; OOD AUROC of
 held-out classes scored by predictive entropy and by mutual information (empty for S < 2); the test coverage and
@@ -280,7 +281,8 @@ def comparison_rows(results: dict[str, dict], baseline: str) -> list[dict]:
     """One row per (method or operating point, S) from each run's final reports (BayesDLL Table 2 layout, plus
     shift and OOD); see :func:`operating_points` for the labels.
 
-    ``cost`` is a run's training time as a multiple of the ``baseline`` method's (None without that method).
+    ``cost`` is a run's training time as a multiple of the ``baseline`` method's (None without that method): the
+    sum of its epochs' ``seconds``, which ``last.pt`` keeps, so a resumed run counts its epochs before the resume.
     """
     rows = []
     seconds = {m: sum(h.get("seconds", 0.0) for h in r.get("history", [])) for m, r in results.items()}
@@ -330,21 +332,24 @@ def markdown_table(rows: list[dict], *, full: bool = False, baseline: str = "map
     the cost (2 decimals) as a multiple of ``baseline``'s. Under it: a legend, the tuned options of each row, and the
     rows' notes (:func:`report_notes`) as numbered footnotes, one per distinct note naming the rows it is about, their
     numbers in the ``note`` column.
-    Both tables take the rows of :func:`comparison_rows`.
+    Both tables take the rows of :func:`comparison_rows`. Every cell, and every name under the table, is
+    escaped (:func:`bayeswrap.app.markdown.markdown_text`): a name holding ``|``, a backtick, ``*``, ``<`` or a line
+    break reads as those characters and stays in its cell.
     """
     if full:
         lines = ["| " + " | ".join(COMPARE_COLUMNS) + " |", "|" + "---|" * len(COMPARE_COLUMNS)]
-        lines += ["| " + " | ".join(_cell(r.get(c)) for c in COMPARE_COLUMNS) + " |" for r in rows]
+        lines += ["| " + " | ".join(markdown_text(_cell(r.get(c))) for c in COMPARE_COLUMNS) + " |" for r in rows]
         return "\n".join(lines) + "\n"
     footnotes: dict[str, list[str]] = {}  # note -> the rows it is about; numbered in order of appearance
     shown = []
     for row in compact_rows(rows):
-        cells = {key: _cell(row.get(key), digits=2 if key == "cost" else 3) for _, key in SUMMARY_COLUMNS}
+        cells = {key: markdown_text(_cell(row.get(key), digits=2 if key == "cost" else 3))
+                 for _, key in SUMMARY_COLUMNS}
         cells["num_samples"] = ", ".join(str(s) for s in row["num_samples"])
-        cells["predictive"] = short_predictive(row.get("predictive"))
+        cells["predictive"] = markdown_text(short_predictive(row.get("predictive")))
         numbers = []
         for note in filter(None, (row.get("note") or "").split("; ")):
-            footnotes.setdefault(note, []).append(f"{row['method']} (S = {cells['num_samples']})")
+            footnotes.setdefault(note, []).append(f"{cells['method']} (S = {cells['num_samples']})")
             numbers.append(list(footnotes).index(note) + 1)
         cells["note"] = f"[{', '.join(map(str, numbers))}]" if numbers else ""
         shown.append([cells[key] for _, key in SUMMARY_COLUMNS])
@@ -361,7 +366,8 @@ def markdown_table(rows: list[dict], *, full: bool = False, baseline: str = "map
     legend = ("S: posterior samples (a row lists each S whose numbers are the same); error, NLL, ECE: test set at "
               "T = 1; shift: mean over the shifted test sets; OOD AUROC: held-out classes by predictive entropy; "
               f"cost: training time as a multiple of {baseline}'s. Every column and row: comparison.csv.")
-    tuned = "; ".join(dict.fromkeys(f"{r['method']} {r['tuned']}" for r in rows if r.get("tuned")))
+    tuned = "; ".join(dict.fromkeys(f"{markdown_text(r['method'])} {markdown_text(r['tuned'])}"
+                                    for r in rows if r.get("tuned")))
     text = [""] + textwrap.wrap(legend, TABLE_WIDTH)
     if tuned:
         text += textwrap.wrap(f"Tuned by validation NLL: {tuned}.", TABLE_WIDTH)

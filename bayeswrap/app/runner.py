@@ -43,19 +43,10 @@ from bayeswrap.app.build import (
     preflight,
 )
 from bayeswrap.app.config import FIELDS, RESUME_ALLOWED, RunConfig, coerce, load_run_config
+from bayeswrap.app.outputs import naming_failures, save_checkpoint, write_json, write_text, write_yaml
 from bayeswrap.app.reports import final_reports, history_csv, operating_point_reports, write_plots
 from bayeswrap.core import distributed
-from bayeswrap.core.io import (
-    CheckpointError,
-    UnsafePathError,
-    file_kind,
-    load_checkpoint,
-    open_append,
-    save_checkpoint,
-    write_json,
-    write_text,
-    write_yaml,
-)
+from bayeswrap.core.io import CheckpointError, UnsafePathError, file_kind, load_checkpoint, open_append
 from bayeswrap.data.datasets import DataSplits
 from bayeswrap.evaluation import plots
 from bayeswrap.methods import BayesianModel
@@ -113,6 +104,7 @@ def resume_config(run_dir: str | Path, overrides: dict) -> tuple[RunConfig, dict
             config.yaml.
     """
     run_dir = Path(run_dir)
+    runs.refuse_symlink(run_dir, f"--resume {run_dir}: the run folder")
     if not (run_dir / "config.yaml").is_file():
         raise ValueError(f"--resume {run_dir}: no config.yaml there; accepted: a run folder written by bayeswrap fit")
     saved = load_run_config(run_dir / "config.yaml")
@@ -316,7 +308,8 @@ def _sample_and_report(cfg, run_dir, splits, ood_test, bnn, device, sample_count
         report, arrays = final_reports(bnn, splits, ood_test, cfg, s, device)
         reports[str(s)] = report
         if s == sample_counts[-1]:
-            write_plots(run_dir, report, arrays, [], cfg)
+            with naming_failures(run_dir, "writing the figures"):
+                write_plots(run_dir, report, arrays, [], cfg)
     metrics = {"history": [], "best_epoch": None, "final": reports, "mcmc": {**stats, "diagnostics": diagnostics}}
     write_json(run_dir / "metrics.json", metrics)
     return metrics
@@ -406,7 +399,8 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
         report, arrays = final_reports(bnn, splits, ood_test, cfg, s, device)
         reports[str(s)] = report
         if s == sample_counts[-1]:
-            write_plots(run_dir, report, arrays, state["history"], cfg)
+            with naming_failures(run_dir, "writing the figures"):
+                write_plots(run_dir, report, arrays, state["history"], cfg)
     metrics = {"history": state["history"], "best_epoch": state["best_epoch"], "final": reports}
     if tuning is not None:
         metrics["tuning"] = tuning
@@ -456,6 +450,7 @@ def evaluate_run(run_dir: str | Path, num_samples: int | None = None) -> dict:
         ValueError: if the folder has no ``config.yaml`` or the checkpoint does not match.
     """
     run_dir = Path(run_dir)
+    runs.refuse_symlink(run_dir, f"evaluate {run_dir}: the run folder")
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "best.pt").is_file():
         raise ValueError(f"{run_dir} is not a finished run folder (needs config.yaml and best.pt)")
     cfg = load_run_config(run_dir / "config.yaml")
@@ -468,7 +463,7 @@ def evaluate_run(run_dir: str | Path, num_samples: int | None = None) -> dict:
     s = cfg.num_samples if num_samples is None else num_samples
     if isinstance(s, bool) or not isinstance(s, int) or s < 0:
         raise ValueError(f"num_samples={s!r} is not valid; accepted: an integer >= 0")
-    with runs.open_existing(run_dir):
+    with runs.open_existing(run_dir, what="evaluate"):
         report, _ = final_reports(bnn, splits, ood_test, cfg, s, device)
         write_json(run_dir / f"eval_S{s}.json", report)
     return report

@@ -15,6 +15,7 @@ process's pid and host. The rules:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -29,8 +30,10 @@ import torch
 from bayeswrap._version import __version__
 from bayeswrap.app.build import DataInfo, build_model, data_info, input_transform, load_splits
 from bayeswrap.app.config import check_data_json, load_run_config, read_json_file
+from bayeswrap.app.input_range import check_input_range
+from bayeswrap.app.outputs import output_error, write_text
 from bayeswrap.core.checks import check_int
-from bayeswrap.core.io import CheckpointError, UnsafePathError, file_kind, load_checkpoint, pid_alive, write_text
+from bayeswrap.core.io import CheckpointError, UnsafePathError, file_kind, load_checkpoint, pid_alive
 from bayeswrap.predictive import model_device, predictive_loader, sample_probs_loader
 
 MARKER = ".bayeswrap-run"
@@ -93,8 +96,15 @@ class RunLock:
                 self.check_free()
                 self.path.unlink(missing_ok=True)  # stale: its process is gone
                 continue
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(f"{os.getpid()} {socket.gethostname()}\n")
+            try:
+                data = f"{os.getpid()} {socket.gethostname()}\n".encode()
+                if os.write(fd, data) != len(data):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError as err:  # a full disk: no empty lock file is left behind
+                os.close(fd)
+                self.path.unlink(missing_ok=True)
+                raise output_error(err, self.path, "taking the lock: writing") from err
+            os.close(fd)
             self.held = True
             remove_stale_tmp(self.run_dir)
             return self
@@ -153,7 +163,11 @@ def open_new(out_dir: str | os.PathLike, name: str, *, overwrite: bool = False, 
         except FileExistsError:
             raise RunFolderError(f"run folder {run_dir} was created by another process just now") from None
         lock = RunLock(run_dir).acquire()
-        _write_marker(run_dir, kind)
+        try:
+            _write_marker(run_dir, kind)
+        except BaseException:  # a full disk: the lock goes with the failed run
+            lock.release()
+            raise
         return lock
     lock = RunLock(run_dir).acquire()  # refuses a live run
     try:
@@ -180,12 +194,13 @@ def check_new(out_dir: str | os.PathLike, name: str, *, overwrite: bool = False)
         raise RunFolderError(f"run name {name!r} is not a single folder name")
     if not (run_dir.exists() or run_dir.is_symlink()):
         return run_dir
+    refuse_symlink(run_dir, f"run folder {run_dir}", "Not writing into it, nor removing it with --overwrite; choose "
+                   "another --run-name or --out-dir, or remove the link yourself")
     hint = f"pass --resume {run_dir} to continue it"
     if not overwrite:
         raise RunFolderError(f"run folder {run_dir} exists; {hint} or --overwrite to replace it")
-    if run_dir.is_symlink() or not _inside(out_dir, run_dir):
-        raise RunFolderError(f"--overwrite: {run_dir} is a symbolic link or lies outside out_dir={str(out_dir)!r}; "
-                             f"not removing it")
+    if not _inside(out_dir, run_dir):
+        raise RunFolderError(f"--overwrite: {run_dir} lies outside out_dir={str(out_dir)!r}; not removing it")
     if not is_run_folder(run_dir):
         raise RunFolderError(f"--overwrite: {run_dir} is not a bayeswrap run folder (no {MARKER} file); not "
                              f"removing it. Choose another --run-name or --out-dir")
@@ -245,18 +260,48 @@ def check_user_output(path: str | os.PathLike, *, overwrite: bool, flag: str = "
     return path
 
 
-def open_existing(run_dir: str | os.PathLike) -> RunLock:
-    """Takes the lock of an existing run folder, to continue it (``--resume``).
+def open_existing(run_dir: str | os.PathLike, what: str = "--resume") -> RunLock:
+    """Takes the lock of an existing run folder, to continue it (``--resume``) or write into it (``evaluate``).
+
+    Args:
+        run_dir: the run folder.
+        what: the command or flag that named it, for the messages.
 
     Raises:
-        RunFolderError: if ``run_dir`` is not a bayeswrap run folder, or is locked.
+        RunFolderError: if ``run_dir`` is a symbolic link (naming where it points, :func:`refuse_symlink`), is not a
+            bayeswrap run folder, or is locked.
     """
     run_dir = Path(run_dir)
+    refuse_symlink(run_dir, f"{what} {run_dir}: the run folder")
     if not run_dir.is_dir():
-        raise RunFolderError(f"--resume {run_dir}: no such run folder")
+        raise RunFolderError(f"{what} {run_dir}: no such run folder")
     if not is_run_folder(run_dir):
-        raise RunFolderError(f"--resume {run_dir}: not a bayeswrap run folder (no {MARKER} or config.yaml)")
+        raise RunFolderError(f"{what} {run_dir}: not a bayeswrap run folder (no {MARKER} or config.yaml)")
     return RunLock(run_dir).acquire()
+
+
+def refuse_symlink(path: str | os.PathLike, what: str, advice: str | None = None) -> None:
+    """Refuses a run or method folder that is a symbolic link, saying so, where it points and what to do.
+
+    bayeswrap writes a run folder only by its real path: through a link, a run, its lock and an ``--overwrite``
+    would reach another folder's files under a name that hides them.
+
+    Args:
+        path: the folder as given.
+        what: what it is, e.g. ``"--resume runs/x: the run folder"``, for the message.
+        advice: what to do instead (default: pass the real path, which the message names).
+
+    Raises:
+        RunFolderError: if ``path`` is a symbolic link (a dangling one included).
+    """
+    path = Path(path)
+    if not path.is_symlink():
+        return
+    target, real = os.readlink(path), os.path.realpath(path)
+    exists = "" if os.path.exists(real) else ", which does not exist"
+    raise RunFolderError(f"{what} is a symbolic link to {target} (resolved: {real}{exists}); bayeswrap reads and "
+                         f"writes run folders only by their real path, never through a link. "
+                         f"{advice or f'Pass the real path instead: {real}'}")
 
 
 # --------------------------------------------------------------------------- a saved run, for prediction
@@ -275,6 +320,8 @@ class LoadedRun:
             (the run's eval transform).
         class_names: the K names of the outputs, in output order.
         input_shape: the shape of one model input.
+        input_range: ``[min, max]`` of the training inputs (``data.json``), or None where the run recorded none;
+            new inputs are compared with it (:mod:`bayeswrap.app.input_range`).
     """
 
     run_dir: Path
@@ -283,10 +330,11 @@ class LoadedRun:
     transform: Callable[[Any], torch.Tensor]
     class_names: list[str]
     input_shape: tuple[int, ...]
+    input_range: tuple[float, float] | None = None
 
     @torch.no_grad()
     def sample_probs(self, inputs: torch.Tensor, num_samples: int | None = None, *, batch_size: int = 128,
-                     seed: int = 0) -> torch.Tensor:
+                     seed: int = 0, allow_out_of_range: bool = False, source: str = "inputs") -> torch.Tensor:
         """Class probabilities under each posterior sample.
 
         Args:
@@ -297,6 +345,9 @@ class LoadedRun:
                 Python or numpy integers (and integral floats) are accepted.
             batch_size: inputs per forward pass, an integer >= 1 (numpy integers accepted).
             seed: seed of the posterior samples (the same seed gives the same output).
+            allow_out_of_range: predict inputs far outside the training inputs' range (:attr:`input_range`)
+                with a warning instead of refusing them (:func:`~bayeswrap.app.input_range.check_input_range`).
+            source: what the inputs are (e.g. their file), named in the messages.
 
         Returns:
             (max(S, 1), N, K) float32 probabilities on the CPU.
@@ -304,13 +355,16 @@ class LoadedRun:
         Raises:
             ValueError: naming the value, for inputs of the wrong shape or with
                 non-finite values, or a bad ``num_samples``/``batch_size``.
+            bayeswrap.app.input_range.InputRangeError: for inputs far outside the training inputs' range
+                (without ``allow_out_of_range``); a modest excursion warns (``InputRangeWarning``).
         """
-        s, batches, gen = self._batches(inputs, num_samples, batch_size, seed)
+        s, batches, gen = self._batches(inputs, num_samples, batch_size, seed, allow_out_of_range, source)
         return sample_probs_loader(self.model, batches, s, generator=gen)[0]
 
     @torch.no_grad()
     def predictive(self, inputs: torch.Tensor, num_samples: int | None = None, *, batch_size: int = 128,
-                   seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   seed: int = 0, allow_out_of_range: bool = False, source: str = "inputs",
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The run's posterior predictive, as its ``metrics.json`` scored it, and the per-sample probabilities.
 
         The predictive is the model's own (:meth:`~bayeswrap.BayesianModel.default_predictive`: Laplace's GLM
@@ -318,7 +372,7 @@ class LoadedRun:
         :func:`bayeswrap.predictive.predictive_loader`.
 
         Args:
-            inputs, num_samples, batch_size, seed: as :meth:`sample_probs`.
+            inputs, num_samples, batch_size, seed, allow_out_of_range, source: as :meth:`sample_probs`.
 
         Returns:
             ``(probs, sample_probs)``: (N, K) float64 predictive probabilities and the (max(S, 1), N, K)
@@ -327,11 +381,12 @@ class LoadedRun:
         Raises:
             ValueError: as :meth:`sample_probs`.
         """
-        s, batches, gen = self._batches(inputs, num_samples, batch_size, seed)
+        s, batches, gen = self._batches(inputs, num_samples, batch_size, seed, allow_out_of_range, source)
         probs, samples, _ = predictive_loader(self.model, batches, s, generator=gen)
         return probs, samples
 
-    def _batches(self, inputs, num_samples, batch_size, seed) -> tuple[int, list, torch.Generator]:
+    def _batches(self, inputs, num_samples, batch_size, seed, allow_out_of_range=False, source="inputs",
+                 ) -> tuple[int, list, torch.Generator]:
         """S, the checked inputs as ``(inputs, dummy labels)`` batches, and the seeded generator of the samples."""
         s = check_int("num_samples", self.config.num_samples if num_samples is None else num_samples, minimum=0)
         batch_size = check_int("batch_size", batch_size, minimum=1)
@@ -351,6 +406,8 @@ class LoadedRun:
         inputs = inputs.to(dtype)  # integer or float64 arrays (numpy's default) in the model's dtype
         if not torch.isfinite(inputs).all():
             raise ValueError("inputs hold NaN or infinite values; accepted: finite numbers")
+        check_input_range(inputs, self.input_range, source, allow=allow_out_of_range,
+                          where=f"{self.run_dir / 'data.json'}")
         batches = [(chunk, torch.zeros(len(chunk), dtype=torch.long)) for chunk in inputs.split(batch_size)]
         gen = torch.Generator(device=model_device(self.model)).manual_seed(seed)
         return s, batches, gen
@@ -412,4 +469,5 @@ def load_run(run_dir: str | os.PathLike, *, device: str | None = None) -> Loaded
         raise CheckpointError(f"checkpoint {run_dir / 'best.pt'} does not match the run's config: {err}") from None
     bnn.eval()
     return LoadedRun(run_dir=run_dir, config=cfg, model=bnn, transform=input_transform(cfg, info, backbone),
-                     class_names=list(info.class_names), input_shape=tuple(info.input_shape))
+                     class_names=list(info.class_names), input_shape=tuple(info.input_shape),
+                     input_range=None if info.input_range is None else tuple(info.input_range))
