@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-__all__ = ["NonFiniteInputError", "batch_pair", "batch_size", "check_inputs_finite", "class_labels", "map_tensors",
-           "loader_pair", "take", "tensor_leaves", "to_device", "unsqueeze", "without_key", "x_device"]
+__all__ = ["NonFiniteInputError", "batch_pair", "batch_size", "check_inputs_finite", "check_nonempty",
+           "check_reiterable", "class_labels", "map_tensors", "loader_pair", "take", "tensor_leaves", "to_device",
+           "unsqueeze", "without_key", "x_device"]
 
 #: integer label dtypes cast to int64 by :func:`class_labels` (what ``cross_entropy`` needs)
 _NARROW_LABELS = frozenset(getattr(torch, name) for name in ("int8", "int16", "int32", "uint8", "uint16", "uint32",
@@ -85,11 +86,62 @@ def loader_pair(batch, where: str, label_key: str, device: torch.device | str, c
     labels of a narrow integer dtype read as int64 (:func:`class_labels`) when ``classification``.
 
     Raises:
-        ValueError: as :func:`batch_pair`.
+        ValueError: as :func:`batch_pair`, and for a batch of 0 examples (:func:`check_nonempty`).
     """
     x, y = batch_pair(batch, where, label_key)
+    check_nonempty(x, y, where)
     x, y = to_device(x, device), to_device(y, device)
     return x, (class_labels(y) if classification else y)
+
+
+def check_nonempty(x, y, where: str) -> None:
+    """Refuses a batch of 0 examples: inputs (or targets) whose batch dimension is 0.
+
+    Its mean loss is 0/0 = NaN, which training would otherwise report as a non-finite loss of the model. Reads
+    shapes only (no device sync); inputs and targets without a batch dimension are left to the other checks.
+
+    Args:
+        x: the batch's inputs (a tensor or a nested structure of them).
+        y: the batch's targets.
+        where: how to name the loader and batch, e.g. ``"train_loader batch 3 of epoch 1"``.
+
+    Raises:
+        ValueError: naming the batch and the shapes, e.g. ``train_loader batch 3 of epoch 1 holds 0 examples
+            (inputs of shape (0, 4), targets of shape (0,))``.
+    """
+    shapes = [(label, tuple(t.shape)) for label, t in tensor_leaves(x, "inputs") if t.dim()]
+    target = tuple(y.shape) if isinstance(y, torch.Tensor) and y.dim() else None
+    if not any(shape[0] == 0 for _, shape in shapes) and not (target is not None and target[0] == 0):
+        return
+    parts = [f"{label} of shape {shape}" for label, shape in shapes[:3]]
+    if target is not None:
+        parts.append(f"targets of shape {target}")
+    raise ValueError(f"{where} holds 0 examples ({', '.join(parts)}): its mean loss would be 0/0 = NaN; accepted: "
+                     "batches of at least one example (a DataLoader never yields an empty batch from a non-empty "
+                     "dataset: check a custom sampler, collate_fn or generator, or leave the empty batches out)")
+
+
+def check_reiterable(loader, name: str, passes: int, why: str) -> None:
+    """Refuses a one-shot iterator (a generator, ``iter(loader)``, a ``map`` object) that is read more than once.
+
+    Such an iterator is exhausted after its first pass, so the second pass would see no batches. A loader is
+    one-shot when it is an :class:`~collections.abc.Iterator` (``iter(loader) is loader``); a ``DataLoader``, a
+    list or any other re-iterable is not. ``iter`` is never called (a DataLoader would start its workers).
+
+    Args:
+        loader: what the user passed.
+        name: the argument's name, e.g. ``"train_loader"``.
+        passes: how many times it will be iterated.
+        why: what iterates it, e.g. ``"fit iterates it once per epoch (epochs=3)"``.
+
+    Raises:
+        ValueError: naming the argument, its type and why it is read several times, when ``passes > 1``.
+    """
+    if passes > 1 and isinstance(loader, Iterator):
+        raise ValueError(f"{name} is a {type(loader).__name__}, a one-shot iterator that is exhausted after one pass, "
+                         f"but {why}, so every pass after the first would get no batches; accepted: a re-iterable "
+                         "such as a torch DataLoader or a list of (inputs, targets) batches (e.g. list(generator) "
+                         "for a small data set)")
 
 
 def without_key(x, key: str):

@@ -165,6 +165,9 @@ class BayesianModel(nn.Module, ABC):
     #: run settings (fields of the command line's run config) that only this method reads, e.g. a sampler's
     #: burn-in in epochs; a ``per_method`` entry may set them for this method only
     run_fields: tuple[str, ...] = ()
+    #: whether :meth:`after_fit` iterates the training loader again (Laplace's curvature, SWAG's BatchNorm
+    #: updates), so that :func:`bayeswrap.fit` refuses a one-shot iterator (a generator) as ``train_loader``
+    reads_train_loader_after_fit = False
 
     @classmethod
     def run_options(cls, run) -> dict:

@@ -23,6 +23,8 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
+from bayeswrap.methods.option_types import check_option_types
+
 if TYPE_CHECKING:
     from bayeswrap.methods.base import BayesianModel
 
@@ -197,7 +199,9 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
         The :class:`BayesianModel` of the chosen method.
 
     Raises:
-        ValueError: for an unknown method or option, or any invalid value (the
+        ValueError: for an unknown method or option, a method option of the wrong kind for its constructor's
+            annotation (:mod:`bayeswrap.methods.option_types`: e.g. ``flow_hidden=10`` for a tuple of widths,
+            naming the method, the option, the value, its type and the accepted kind), or any invalid value (the
             message names the value and lists the accepted ones): integer options
             (``num_data``, ``chunk_size``, ``num_train_samples``, ``thinning``, ...)
             that are not integers in range (bools, NaN, inf, strings and
@@ -217,6 +221,7 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
     unknown = [k for k in method_options_ if k not in accepted]
     if unknown:
         raise ValueError(f"option(s) {unknown} are not accepted by method {method!r}; accepted: {accepted}")
+    check_option_types(METHODS[method], method_options_)
     arguments = dict(num_data=num_data, prior_std=prior_std, prior_mean=prior_mean, bias=bias, params=params,
                      likelihood=likelihood, noise_std=noise_std, output_key=output_key, label_key=label_key,
                      **method_options_)

@@ -102,7 +102,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from bayeswrap.core.batches import batch_pair, to_device, without_key
+from bayeswrap.core.batches import batch_pair, check_reiterable, to_device, without_key
 from bayeswrap.core.checks import check_choice, check_float, check_int, check_scale
 from bayeswrap.core.functional import NamedTensors, call
 from bayeswrap.core.samples import RingStore, welford_update_, welford_variance
@@ -198,6 +198,7 @@ class SWAG(MAP):
     #: the paper's recipe, SGD with momentum (these are also the command line's defaults); the collection lr is
     #: swa_lr's (2 × lr by default)
     recommended = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9}
+    reads_train_loader_after_fit = True  # kept for the BatchNorm updates, which iterate it again
     select_best_epoch = False  # the posterior is the moments of the whole collection phase, not one epoch's state
     in_default_comparison = True
     loss_free_state = ("deviations.", "moment_mean.", "moment_m2.")
@@ -460,6 +461,7 @@ class SWAG(MAP):
         if loader is None or not hasattr(loader, "__iter__"):
             raise ValueError(f"loader={loader!r} is not accepted; accepted: an iterable of (inputs, targets) "
                              "training batches, e.g. a torch DataLoader")
+        check_reiterable(loader, "loader", 2, "the BatchNorm update iterates it for every recomputation")
         self._bn_loader = loader
         self._bn_mean = None  # recomputed from these batches
 
