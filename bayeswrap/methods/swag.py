@@ -604,7 +604,7 @@ class SWAG(MAP):
                     break
                 x, _ = batch_pair(batch, f"the BatchNorm update loader (batch {seen})", self.label_key)
                 x = to_device(x, device)
-                call(self.model, tensors, buffers, x)
+                call(self.model, tensors, buffers, x, self.output_key, self.dict_inputs)
                 seen += 1
         finally:
             for m, momentum in zip(modules, momenta):
@@ -649,13 +649,13 @@ class SWAG(MAP):
             tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **self.theta.as_dict()}
             self.bn_fed = batchnorm_fed_by(self.model, tensors, self.model_buffers.as_dict(),
                                            without_key(x, self.label_key), self.bayesian_names, self._bn_layers,
-                                           self.output_key)
+                                           self.output_key, self.dict_inputs)
         return self.bn_fed
 
     def _outputs_with(self, theta: Mapping[str, torch.Tensor], x, buffers: Mapping[str, torch.Tensor]):
         """Outputs under Bayesian parameters ``theta`` with ``buffers`` (recomputed BatchNorm statistics)."""
         tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
-        return call(self.model, tensors, buffers, without_key(x, self.label_key), self.output_key)
+        return call(self.model, tensors, buffers, without_key(x, self.label_key), self.output_key, self.dict_inputs)
 
     def _forward_bn(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
         """Outputs under one draw ``theta`` with BatchNorm statistics recomputed for it (Maddox et al. 2019, §4)."""
