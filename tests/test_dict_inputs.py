@@ -85,6 +85,14 @@ def test_both_model_styles_fit_and_predict_as_the_tensor_model(method, cls, styl
     assert torch.allclose(probs.sum(1), torch.ones(16))
 
 
+def test_kron_laplace_on_a_positional_dict_model_equals_the_tensor_model():
+    reference, expected = _trained(_Net, "laplace", "tensor", hessian_structure="kron")
+    bnn, probs = _trained(_Positional, "laplace", hessian_structure="kron")
+    torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dict(bnn.posterior_var.items()), dict(reference.posterior_var.items()), rtol=1e-5,
+                               atol=1e-7)
+
+
 def test_the_convention_is_read_from_the_signature():
     assert dict_call_style(_Keywords(), ("a", "b")) == "kwargs"
     assert dict_call_style(_Positional(), ("a", "b")) == "positional"

@@ -117,10 +117,12 @@ def loader_pair(batch, where: str, label_key: str, device: torch.device | str, c
 
 
 def check_nonempty(x, y, where: str) -> None:
-    """Refuses a batch of 0 examples: inputs (or targets) whose batch dimension is 0.
+    """Refuses a batch of 0 examples: targets, or the inputs' first tensor (as :func:`batch_size` reads it), whose
+    batch dimension is 0.
 
     Its mean loss is 0/0 = NaN, which training would otherwise report as a non-finite loss of the model. Reads
-    shapes only (no device sync); inputs and targets without a batch dimension are left to the other checks.
+    shapes only (no device sync); inputs and targets without a batch dimension are left to the other checks, and
+    so are further input tensors (a mapping may hold an empty tensor that is not per example).
 
     Args:
         x: the batch's inputs (a tensor or a nested structure of them).
@@ -133,7 +135,7 @@ def check_nonempty(x, y, where: str) -> None:
     """
     shapes = [(label, tuple(t.shape)) for label, t in tensor_leaves(x, "inputs") if t.dim()]
     target = tuple(y.shape) if isinstance(y, torch.Tensor) and y.dim() else None
-    if not any(shape[0] == 0 for _, shape in shapes) and not (target is not None and target[0] == 0):
+    if not (shapes and shapes[0][1][0] == 0) and not (target is not None and target[0] == 0):
         return
     parts = [f"{label} of shape {shape}" for label, shape in shapes[:3]]
     if target is not None:
