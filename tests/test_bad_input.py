@@ -525,9 +525,7 @@ def test_scales_at_the_ends_of_the_range_give_a_finite_first_loss():
                                           (0, "0")])
 @pytest.mark.parametrize("option", ["chunk_size", "num_train_samples"])
 def test_integer_options_are_not_truncated(option, value, shown):
-    # a bool or a string for the method option num_train_samples is refused by the type check of issue 34 first
-    with pytest.raises(ValueError, match=rf"{option}={shown} (must be an integer >= 1|\(of type (bool|str)\) is not "
-                                         r"accepted by method 'vi'; accepted: an integer)"):
+    with pytest.raises(ValueError, match=rf"{option}={shown} must be an integer >= 1"):
         bw.wrap(_mlp(), "vi", num_data=8, **{option: value})
 
 
@@ -546,16 +544,13 @@ _SGLD = {"burn_in": 0, "thinning": 1}
     ("vi", {"num_data": INF}, r"num_data=inf must be an integer >= 1"),
     ("vi", {"num_data": "10"}, r"num_data='10' must be an integer >= 1 .*not str"),
     ("mc_dropout", {"num_train_samples": NAN}, r"num_train_samples=nan must be an integer >= 1"),
-    ("sparse_vd", {"num_train_samples": "2"}, r"num_train_samples='2' \(of type str\) is not accepted by method "
-                                              r"'sparse_vd'; accepted: an integer"),
+    ("sparse_vd", {"num_train_samples": "2"}, r"num_train_samples='2' must be an integer >= 1"),
     ("sgld", {"thinning": NAN}, r"thinning=nan must be an integer >= 1"),
     ("sgld", {"burn_in": INF}, r"burn_in=inf is not accepted; accepted: 'auto' .* or an integer >= 0"),
-    ("sgld", {"max_samples": "5"}, r"max_samples='5' \(of type str\) is not accepted by method 'sgld'; accepted: "
-                                   r"an integer"),
+    ("sgld", {"max_samples": "5"}, r"max_samples='5' must be an integer >= 0"),
     ("sgld", {"cycles": 1.5}, r"cycles=1.5 must be None or an integer >= 1"),
     ("laplace", {"curvature_chunk_size": NAN}, r"curvature_chunk_size=nan must be an integer >= 1"),
-    ("laplace", {"curvature_samples": "2"}, r"curvature_samples='2' \(of type str\) is not accepted by method "
-                                            r"'laplace'; accepted: an integer"),
+    ("laplace", {"curvature_samples": "2"}, r"curvature_samples='2' must be an integer >= 1"),
 ])
 def test_integer_options_of_every_method_name_nan_inf_and_strings(method, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -214,6 +214,21 @@ def test_wrong_types_name_the_method_option_value_type_and_kind(method, kwargs, 
         _wrap(method, **kwargs)
 
 
+def test_a_refusal_quotes_the_options_own_check_with_its_accepted_values():
+    with pytest.raises(ValueError, match=r"^burn_in=None \(of type NoneType\) is not accepted by method 'sgld'; "
+                                         r"accepted: an integer or a string \(annotated int \| str\); the option's "
+                                         r"own check: burn_in=None is not accepted; accepted: 'auto' .* or an "
+                                         r"integer >= 0"):
+        _wrap("sgld", burn_in=None)
+    net = nn.Linear(3, 2)
+    state = torch.random.get_rng_state()
+    with pytest.raises(ValueError, match=r"^parallel=3 \(of type int\) is not accepted by method 'ensemble'; accepted: "
+                                         r"a string \(annotated str\); the option's own check: parallel=3 is not "
+                                         r"accepted; accepted: \("):
+        bw.wrap(net, "ensemble", num_data=8, parallel=3)  # the build draws init_seed before it checks parallel
+    assert torch.equal(torch.random.get_rng_state(), state)  # ... and the refusal leaves the random state as it was
+
+
 def test_an_ensembles_member_options_are_type_checked():
     with pytest.raises(ValueError, match=r"^fused='yes' \(of type str\) is not accepted by method 'vi'; accepted: "
                                          r"True or False"):

@@ -195,8 +195,7 @@ def test_the_data_move_the_density_from_the_default_initialisation():
     ({"flow_length": -1}, r"flow_length=-1 must be an integer >= 0"),
     ({"flow_length": 1.5}, r"flow_length=1.5 must be an integer >= 0"),
     ({"flow_length": 2, "local_reparam": False}, r"flow_length=2 needs local_reparam=True"),
-    ({"local_reparam": "yes"}, r"local_reparam='yes' \(of type str\) is not accepted by method 'lbbnn'; accepted: "
-                               r"True or False"),  # the annotation type check (issue 34)
+    ({"local_reparam": "yes"}, r"local_reparam='yes' is not accepted; accepted: True, False"),
     ({"temperature": 0}, r"temperature=0"),
     ({"init_inclusion_logit": (3, 1)}, r"init_inclusion_logit\[1\]=1"),
 ])
@@ -311,8 +310,7 @@ def test_adam_moves_the_flow_parameters_by_flow_lr_per_step():
 
 @pytest.mark.parametrize("flow_lr", [0, -1e-3, float("nan"), float("inf"), "1e-3"])
 def test_bad_flow_lr_is_refused(flow_lr):
-    with pytest.raises(ValueError, match=r"flow_lr=.* (must be None or a finite number > 0|\(of type str\) is not "
-                                         r"accepted by method 'lbbnn'; accepted: None or a number)"):
+    with pytest.raises(ValueError, match=r"flow_lr=.* must be None or a finite number > 0"):
         _flow_mlp(flow_lr=flow_lr)
 
 

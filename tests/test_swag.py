@@ -336,8 +336,7 @@ def test_ring_store_keeps_the_last_items_and_round_trips():
     ("swa_start", "soon", r"accepted: 'auto'"),
     ("swa_start", -1, r"accepted: 'auto'"),
     ("swa_start", 1.5, r"accepted: 'auto'"),
-    ("swa_start", True, r"\(of type bool\) is not accepted by method 'swag'; accepted: an integer or a number or a "
-                        r"string"),  # the annotation type check (issue 34) refuses a bool first
+    ("swa_start", True, r"accepted: 'auto'"),
     ("collect_every", 0, r"must be an integer >= 1"),
     ("collect_every", "often", r"accepted: 'auto' \(4 collections per epoch\), 'epoch' or an integer"),
     ("max_rank", 1, r"must be an integer >= 2"),

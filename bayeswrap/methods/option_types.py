@@ -6,7 +6,9 @@ naming the method, the option, the value, its type and the expected type, instea
 constructor with an error such as ``TypeError: 'int' object is not iterable``.
 
 The check is about kinds, not values: each option's own check (:mod:`bayeswrap.core.checks`) still refuses a
-value of the right kind that is out of range. The rules:
+value of the right kind that is out of range. A refusal from ``bw.wrap`` also quotes that check's message when it
+names the option (its accepted values, e.g. ``'auto' or an integer >= 0`` where the annotation says ``int | str``).
+The rules:
 
 * ``int`` accepts every real number but bools (``3.0``, a numpy integer, a 0-d tensor: the option's
   ``check_int`` then refuses ``2.5``, NaN or inf with its range); ``float`` accepts every real number but bools
@@ -26,7 +28,8 @@ import numbers
 import sys
 import types
 import typing
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -149,13 +152,17 @@ def describe(annotation) -> str:
     return str(annotation)
 
 
-def check_option_types(cls: type, options: Mapping) -> None:
+def check_option_types(cls: type, options: Mapping, build: Callable[[], object] | None = None) -> None:
     """Refuses a method option whose value is not of the kind its constructor annotates.
 
     Args:
         cls: the method's class (e.g. ``METHODS["lbbnn"]``).
         options: ``{option: value}`` given for it; names that are not the method's own annotated options (the
             common options, unknown names) are not checked here.
+        build: optional, builds the method with these options (``bw.wrap`` passes it). Called only once an
+            option is refused, to add what the option's own check says (its accepted values, e.g. ``'auto'`` or
+            an integer >= 0, which an annotation such as ``int | str`` does not tell) when that check names the
+            option in a ValueError; any other outcome is ignored. Torch's CPU random state is kept.
 
     Raises:
         ValueError: for the first option of the wrong kind, e.g. ``flow_hidden=10 (of type int) is not accepted
@@ -164,9 +171,25 @@ def check_option_types(cls: type, options: Mapping) -> None:
     annotations = option_annotations(cls)
     for name, value in options.items():
         if name in annotations and matches(value, annotations[name]) is False:
-            raise ValueError(f"{name}={value!r} (of type {type(value).__name__}) is not accepted by method "
-                             f"{getattr(cls, 'method', cls.__name__)!r}; accepted: {describe(annotations[name])} "
-                             f"(annotated {_annotation_text(annotations[name])})")
+            message = (f"{name}={value!r} (of type {type(value).__name__}) is not accepted by method "
+                       f"{getattr(cls, 'method', cls.__name__)!r}; accepted: {describe(annotations[name])} "
+                       f"(annotated {_annotation_text(annotations[name])})")
+            own = None if build is None else _own_check(build, name)
+            raise ValueError(message + (f"; the option's own check: {own}" if own else ""))
+
+
+def _own_check(build: Callable[[], object], name: str) -> str | None:
+    """The message of the ValueError that ``build()`` raises naming option ``name`` (``name=...``), else None."""
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            build()
+        except ValueError as err:
+            text = str(err)
+            return text if text.startswith(f"{name}=") or f" {name}=" in text else None
+        except Exception:  # the obscure failure the type check is there to prevent: nothing to add
+            return None
+    return None
 
 
 def _annotation_text(annotation) -> str:

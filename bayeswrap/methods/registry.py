@@ -223,10 +223,10 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
     unknown = [k for k in method_options_ if k not in accepted]
     if unknown:
         raise ValueError(f"option(s) {unknown} are not accepted by method {method!r}; accepted: {accepted}")
-    check_option_types(METHODS[method], method_options_)
     arguments = dict(num_data=num_data, prior_std=prior_std, prior_mean=prior_mean, bias=bias, params=params,
                      likelihood=likelihood, noise_std=noise_std, output_key=output_key, label_key=label_key,
                      **method_options_)
+    check_option_types(METHODS[method], method_options_, build=lambda: METHODS[method](model, **arguments))
     bnn = METHODS[method](model, **arguments)
     bnn.wrap_arguments = {"method": method, **arguments}  # what bayeswrap.save stores to rebuild it
     return bnn
