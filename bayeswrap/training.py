@@ -74,7 +74,9 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             the BayesianModel it wraps is trained (the same object): the loop calls ``bnn.loss`` and the
             method's hooks, which run eagerly (a functional call on a storage-free copy), so compiling
             changes nothing in training; the compiled module's ``forward`` (the predictive) stays compiled.
-        train_loader: any iterable of ``(inputs, targets)`` pairs (a DataLoader, a list);
+        train_loader: any iterable of ``(inputs, targets)`` pairs (a DataLoader, a list); a one-shot
+            iterator (a generator) only where it is read once: one epoch, and a method whose ``after_fit`` does
+            not read it again (not Laplace or SWAG, unless ``finalize=False``);
             if it has ``set_epoch(epoch)``, that is called before each epoch. Inputs are a
             tensor, a tuple of tensors (the model is called as ``model(x1, x2)``) or a dict
             of named tensors, nested structures included (:mod:`bayeswrap.core.batches`);
@@ -139,13 +141,16 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             ``autocast_dtype``, ``grad_scaler``, non-callable ``kl_schedule``/``on_epoch_end``); for
             an optimizer of the wrong class (SGLD and IVON need their own), or one
             that holds none of bnn's trainable parameters or tensors that are not
-            bnn's; during training, for a batch that is not an ``(inputs, targets)``
-            pair (the message says what it was), an empty loader, or targets that
+            bnn's; a one-shot iterator (a generator) as ``train_loader`` or ``val_loader``
+            that this fit would read more than once (naming its type); during training, for a
+            batch that is not an ``(inputs, targets)`` pair (the message says what it was), a batch
+            of 0 examples (naming the batch and its shapes), an empty loader, or targets that
             do not fit the likelihood; data-parallel: a loader whose number of batches
             differs between ranks.
         FloatingPointError: if the loss becomes NaN or infinite (data-parallel: on any
             rank; every rank raises), with the cause:
-            a non-finite input (or target) batch, parameters that became non-finite
+            a non-finite input (or target) batch, finite regression targets too large for
+            float32's squared error (|y| ≥ 1.8e19: standardise them), parameters that became non-finite
             in the last update (or were before the first), or a non-finite loss
             before any update (initialisation or prior under/overflow: a lower
             learning rate would not help) or after divergence; and if a trainable
@@ -552,7 +557,8 @@ def _target_scale_overflow(out, y) -> str | None:
     """Why a non-finite NLL comes from finite regression targets too large for the outputs' dtype, else None.
 
     The Gaussian NLL holds the squared error (y − f)²; with |y| ≥ sqrt(max) of the outputs' dtype (about 1.8e19
-    in float32) it overflows whatever the model predicts, so the cause is the targets' scale, not the model.
+    in float32) it overflows unless the model already predicts values of that size, so the cause is the targets'
+    scale, not the initialisation or the prior.
     """
     if not (isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel()):
         return None
