@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from bayeswrap.core import distributed
-from bayeswrap.core.batches import NonFiniteInputError, batch_size, loader_pair, tensor_leaves
+from bayeswrap.core.batches import NonFiniteInputError, batch_size, check_reiterable, loader_pair, tensor_leaves
 from bayeswrap.core.checks import check_float, check_int
 from bayeswrap.core.functional import nonfinite_names
 from bayeswrap.core.modules import unwrap_compiled
@@ -74,7 +74,9 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             the BayesianModel it wraps is trained (the same object): the loop calls ``bnn.loss`` and the
             method's hooks, which run eagerly (a functional call on a storage-free copy), so compiling
             changes nothing in training; the compiled module's ``forward`` (the predictive) stays compiled.
-        train_loader: any iterable of ``(inputs, targets)`` pairs (a DataLoader, a list);
+        train_loader: any iterable of ``(inputs, targets)`` pairs (a DataLoader, a list); a one-shot
+            iterator (a generator) only where it is read once: one epoch, and a method whose ``after_fit`` does
+            not read it again (not Laplace or SWAG, unless ``finalize=False``);
             if it has ``set_epoch(epoch)``, that is called before each epoch. Inputs are a
             tensor, a tuple of tensors (the model is called as ``model(x1, x2)``) or a dict
             of named tensors, nested structures included (:mod:`bayeswrap.core.batches`);
@@ -139,13 +141,16 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             ``autocast_dtype``, ``grad_scaler``, non-callable ``kl_schedule``/``on_epoch_end``); for
             an optimizer of the wrong class (SGLD and IVON need their own), or one
             that holds none of bnn's trainable parameters or tensors that are not
-            bnn's; during training, for a batch that is not an ``(inputs, targets)``
-            pair (the message says what it was), an empty loader, or targets that
+            bnn's; a one-shot iterator (a generator) as ``train_loader`` or ``val_loader``
+            that this fit would read more than once (naming its type); during training, for a
+            batch that is not an ``(inputs, targets)`` pair (the message says what it was), a batch
+            of 0 examples (naming the batch and its shapes), an empty loader, or targets that
             do not fit the likelihood; data-parallel: a loader whose number of batches
             differs between ranks.
         FloatingPointError: if the loss becomes NaN or infinite (data-parallel: on any
             rank; every rank raises), with the cause:
-            a non-finite input (or target) batch, parameters that became non-finite
+            a non-finite input (or target) batch, finite regression targets too large for
+            float32's squared error (|y| ≥ 1.8e19: standardise them), parameters that became non-finite
             in the last update (or were before the first), or a non-finite loss
             before any update (initialisation or prior under/overflow: a lower
             learning rate would not help) or after divergence; and if a trainable
@@ -175,6 +180,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):
         raise ValueError(f"scheduler={scheduler!r} has no step() method; accepted: None or a torch.optim.lr_scheduler")
     check_optimizer(bnn, optimizer)
+    _check_loaders_reiterable(bnn, train_loader, val_loader, epochs - start_epoch, finalize)
     bar_options = _progress_options(progress)
     try:
         num_steps = (epochs - start_epoch) * len(train_loader)
@@ -266,7 +272,8 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                 totals["n"] = int(round(totals["n"]))
                 distributed.average_(bnn.model_buffers.values())  # e.g. BatchNorm statistics of each rank's shards
             if totals["n"] == 0:
-                raise ValueError("train_loader yielded no batches")
+                raise ValueError(f"train_loader ({type(train_loader).__name__}) yielded no batches in epoch "
+                                 f"{epoch + 1}; accepted: a loader with at least one (inputs, targets) batch")
             bad = nonfinite_names(trainable)  # one reduction per tensor, one sync: catches a NaN from the last step
             if bad:
                 if best_state is not None:
@@ -313,6 +320,21 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         bnn.after_fit(train_loader)
     bnn.eval()
     return history
+
+
+def _check_loaders_reiterable(bnn: BayesianModel, train_loader, val_loader, epochs: int, finalize: bool) -> None:
+    """Refuses one-shot iterators (generators) as loaders that this fit reads more than once.
+
+    ``train_loader`` is read once per epoch, and once more by ``bnn.after_fit`` when the method reads it there
+    (:attr:`~bayeswrap.methods.base.BayesianModel.reads_train_loader_after_fit`: Laplace, SWAG); ``val_loader``
+    once per epoch. A generator is thus accepted for a one-epoch fit of the other methods.
+    """
+    after = finalize and bnn.reads_train_loader_after_fit
+    why = f"fit iterates it once per epoch ({epochs} epoch{'s' if epochs > 1 else ''} to train)"
+    if after:
+        why += f" and the {bnn.method!r} model's after_fit reads it again (finalize=True)"
+    check_reiterable(train_loader, "train_loader", epochs + after, why)
+    check_reiterable(val_loader, "val_loader", epochs, f"fit evaluates it after each of the {epochs} epochs")
 
 
 def _progress_options(progress) -> dict | None:
@@ -513,6 +535,9 @@ def diagnose_nonfinite_loss(bnn: BayesianModel, out, x, y, epoch: int, step: int
     if buffers:
         return (f"{head}: the model's buffer {buffers[0]!r} contains NaN (e.g. BatchNorm statistics of an earlier "
                 "diverged step)")
+    scale = _target_scale_overflow(out, y) if not math.isfinite(out.nll.item()) else None
+    if scale:
+        return f"{head}: {scale}"
     if not math.isfinite(out.kl.item()):
         term = "the KL/prior term is non-finite"
     elif not math.isfinite(out.nll.item()):
@@ -526,6 +551,26 @@ def diagnose_nonfinite_loss(bnn: BayesianModel, out, x, y, epoch: int, step: int
                 "init_log_var) and the scale of the inputs; a lower learning rate would not help")
     return (f"{head}: after {updates} updates, with finite inputs and parameters ({term}): training diverged; "
             "lower the learning rate or set grad_clip_norm")
+
+
+def _target_scale_overflow(out, y) -> str | None:
+    """Why a non-finite NLL comes from finite regression targets too large for the outputs' dtype, else None.
+
+    The Gaussian NLL holds the squared error (y − f)²; with |y| ≥ sqrt(max) of the outputs' dtype (about 1.8e19
+    in float32) it overflows unless the model already predicts values of that size, so the cause is the targets'
+    scale, not the initialisation or the prior.
+    """
+    if not (isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel()):
+        return None
+    dtype = out.logits.dtype if out.logits.is_floating_point() else y.dtype
+    largest = float(y.detach().abs().max())
+    limit = math.sqrt(torch.finfo(dtype).max)
+    if not math.isfinite(largest) or largest < limit:
+        return None
+    return (f"the regression targets' scale overflows: max |y| = {largest:.3g} (targets of shape {tuple(y.shape)}), "
+            f"whose square, the squared error of the Gaussian NLL, exceeds {str(dtype).removeprefix('torch.')}'s "
+            f"largest number {torch.finfo(dtype).max:.3g} (|y| must stay below {limit:.3g}); standardise the "
+            "targets, y' = (y - mean) / std on the training set, and map predictions back with mean + std * f")
 
 
 def step_loss(bnn: BayesianModel, x, y, kl_factor: float):

@@ -9,16 +9,39 @@ are moved and sliced like tuples, and leaves that are not tensors (a flag, a
 string) are passed through unchanged. These helpers take a
 batch apart, move and slice nested inputs, check that floating inputs are finite,
 find the device and the batch size of inputs, and cast narrow integer class labels.
+
+**Dict inputs** (:func:`dict_call_style`) reach the model in one of two ways: as keyword arguments,
+``model(**inputs)`` (a Hugging Face model, ``forward(self, input_ids, attention_mask=None, ...)``), or as one
+positional dict, ``model(inputs)`` (``forward(self, batch)``). ``bw.wrap(..., dict_inputs="auto")`` reads which from
+the signature of the model's ``forward``, in this order:
+
+1. keyword arguments when every key names a parameter of ``forward`` and every parameter without a default is
+   among the keys (``forward(self, a, b)`` for keys a, b; a Hugging Face forward);
+2. keyword arguments when ``forward`` takes ``**kwargs``, every parameter without a default is among the keys,
+   and ``forward`` names a positional parameter (which then keeps its default: ``forward(self, inputs=None,
+   **named)``);
+3. one positional dict when ``forward`` can be called with exactly one positional argument, named by a parameter
+   that is not among the keys (``forward(self, batch)``, ``forward(self, batch, **options)``);
+4. otherwise the call is refused, naming both conventions and the switch: when neither fits (``forward(self, x,
+   mask)`` for keys a, b), or when both fit and the signature tells nothing (``forward(self, *args, **kwargs)``).
+   ``dict_inputs="kwargs"`` or ``"positional"`` then selects one (and skips the reading).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-__all__ = ["NonFiniteInputError", "batch_pair", "batch_size", "check_inputs_finite", "class_labels", "map_tensors",
-           "loader_pair", "take", "tensor_leaves", "to_device", "unsqueeze", "without_key", "x_device"]
+__all__ = ["DICT_INPUTS", "NonFiniteInputError", "batch_pair", "batch_size", "check_dict_inputs",
+           "check_inputs_finite", "check_nonempty", "check_reiterable", "class_labels", "dict_call_style",
+           "map_tensors", "loader_pair", "take", "tensor_leaves", "to_device", "unsqueeze", "without_key", "x_device"]
+
+#: how a dict input is passed to the model (``bw.wrap``'s ``dict_inputs``): read from ``forward``'s signature,
+#: ``model(**inputs)``, or ``model(inputs)``
+DICT_INPUTS = ("auto", "kwargs", "positional")
 
 #: integer label dtypes cast to int64 by :func:`class_labels` (what ``cross_entropy`` needs)
 _NARROW_LABELS = frozenset(getattr(torch, name) for name in ("int8", "int16", "int32", "uint8", "uint16", "uint32",
@@ -85,11 +108,64 @@ def loader_pair(batch, where: str, label_key: str, device: torch.device | str, c
     labels of a narrow integer dtype read as int64 (:func:`class_labels`) when ``classification``.
 
     Raises:
-        ValueError: as :func:`batch_pair`.
+        ValueError: as :func:`batch_pair`, and for a batch of 0 examples (:func:`check_nonempty`).
     """
     x, y = batch_pair(batch, where, label_key)
+    check_nonempty(x, y, where)
     x, y = to_device(x, device), to_device(y, device)
     return x, (class_labels(y) if classification else y)
+
+
+def check_nonempty(x, y, where: str) -> None:
+    """Refuses a batch of 0 examples: targets, or the inputs' first tensor (as :func:`batch_size` reads it), whose
+    batch dimension is 0.
+
+    Its mean loss is 0/0 = NaN, which training would otherwise report as a non-finite loss of the model. Reads
+    shapes only (no device sync); inputs and targets without a batch dimension are left to the other checks, and
+    so are further input tensors (a mapping may hold an empty tensor that is not per example).
+
+    Args:
+        x: the batch's inputs (a tensor or a nested structure of them).
+        y: the batch's targets.
+        where: how to name the loader and batch, e.g. ``"train_loader batch 3 of epoch 1"``.
+
+    Raises:
+        ValueError: naming the batch and the shapes, e.g. ``train_loader batch 3 of epoch 1 holds 0 examples
+            (inputs of shape (0, 4), targets of shape (0,))``.
+    """
+    shapes = [(label, tuple(t.shape)) for label, t in tensor_leaves(x, "inputs") if t.dim()]
+    target = tuple(y.shape) if isinstance(y, torch.Tensor) and y.dim() else None
+    if not (shapes and shapes[0][1][0] == 0) and not (target is not None and target[0] == 0):
+        return
+    parts = [f"{label} of shape {shape}" for label, shape in shapes[:3]]
+    if target is not None:
+        parts.append(f"targets of shape {target}")
+    raise ValueError(f"{where} holds 0 examples ({', '.join(parts)}): its mean loss would be 0/0 = NaN; accepted: "
+                     "batches of at least one example (a DataLoader never yields an empty batch from a non-empty "
+                     "dataset: check a custom sampler, collate_fn or generator, or leave the empty batches out)")
+
+
+def check_reiterable(loader, name: str, passes: int, why: str) -> None:
+    """Refuses a one-shot iterator (a generator, ``iter(loader)``, a ``map`` object) that is read more than once.
+
+    Such an iterator is exhausted after its first pass, so the second pass would see no batches. A loader is
+    one-shot when it is an :class:`~collections.abc.Iterator` (``iter(loader) is loader``); a ``DataLoader``, a
+    list or any other re-iterable is not. ``iter`` is never called (a DataLoader would start its workers).
+
+    Args:
+        loader: what the user passed.
+        name: the argument's name, e.g. ``"train_loader"``.
+        passes: how many times it will be iterated.
+        why: what iterates it, e.g. ``"fit iterates it once per epoch (epochs=3)"``.
+
+    Raises:
+        ValueError: naming the argument, its type and why it is read several times, when ``passes > 1``.
+    """
+    if passes > 1 and isinstance(loader, Iterator):
+        raise ValueError(f"{name} is a {type(loader).__name__}, a one-shot iterator that is exhausted after one pass, "
+                         f"but {why}, so every pass after the first would get no batches; accepted: a re-iterable "
+                         "such as a torch DataLoader or a list of (inputs, targets) batches (e.g. list(generator) "
+                         "for a small data set)")
 
 
 def without_key(x, key: str):
@@ -214,3 +290,71 @@ def class_labels(y):
     if isinstance(y, torch.Tensor) and y.dtype in _NARROW_LABELS:
         return y.long()
     return y
+
+
+def check_dict_inputs(value) -> str:
+    """``dict_inputs`` (one of :data:`DICT_INPUTS`), or a ValueError naming the value and the accepted ones."""
+    if not isinstance(value, str) or value not in DICT_INPUTS:
+        raise ValueError(f"dict_inputs={value!r} is not accepted; accepted: {DICT_INPUTS} ('auto': from the model's "
+                         "forward signature; 'kwargs': model(**inputs); 'positional': model(inputs))")
+    return value
+
+
+def dict_call_style(model: Callable, keys, dict_inputs: str = "auto") -> str:
+    """How a dict input with ``keys`` is passed to ``model``: ``"kwargs"`` (``model(**x)``) or ``"positional"``
+    (``model(x)``), by the rule of this module's docstring (cached per ``forward`` function and keys).
+
+    Args:
+        model: the module (its ``forward`` is inspected) or any callable.
+        keys: the dict's keys, in order.
+        dict_inputs: ``"auto"`` reads the signature; ``"kwargs"`` and ``"positional"`` are returned as they are.
+
+    Raises:
+        ValueError: with ``"auto"``, when both conventions or neither fit ``forward``'s signature; the message names
+            the keys, the signature, both conventions and the ``dict_inputs`` switch of ``bw.wrap``.
+    """
+    if dict_inputs != "auto":
+        return dict_inputs
+    forward = getattr(model, "forward", model)
+    function = getattr(forward, "__func__", forward)
+    bound = hasattr(forward, "__func__")
+    try:
+        return _dict_style(function, bound, tuple(keys))
+    except TypeError:  # an unhashable callable: no cache
+        return _dict_style.__wrapped__(function, bound, tuple(keys))
+
+
+@functools.lru_cache(maxsize=256)
+def _dict_style(function, bound: bool, keys: tuple) -> str:
+    """:func:`dict_call_style`'s reading of ``function``'s signature (without its first parameter if ``bound``)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: the keyword convention, as before
+        return "kwargs"
+    params = list(signature.parameters.values())[1 if bound else 0:]
+    kinds = inspect.Parameter
+    var_positional = any(p.kind is kinds.VAR_POSITIONAL for p in params)
+    var_keyword = any(p.kind is kinds.VAR_KEYWORD for p in params)
+    positional = [p for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    by_keyword = {p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+    required = [p for p in params if p.default is p.empty and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)]
+    complete = all(p.name in keys for p in required)
+    if complete and all(k in by_keyword for k in keys):
+        return "kwargs"  # rule 1: the keys are forward's parameters
+    as_kwargs = complete and var_keyword
+    first = positional[0] if positional else None
+    as_positional = ((first is not None and first.name not in keys) or (first is None and var_positional)) and \
+        all(p is first for p in required)
+    if as_kwargs and (first is not None or not as_positional):
+        return "kwargs"  # rule 2
+    if as_positional and not as_kwargs:
+        return "positional"  # rule 3
+    shown = signature.replace(parameters=params)
+    name = getattr(function, "__qualname__", type(function).__name__)
+    fit = "both fit" if as_kwargs else "neither fits"
+    raise ValueError(f"the inputs are a dict with keys {list(keys)[:8]} and the model's forward is {name}{shown}: "
+                     f"{fit} of the two conventions, model(**inputs) (each key a keyword argument of forward, e.g. "
+                     "forward(self, input_ids, attention_mask=None) for a Hugging Face model) and model(inputs) (the "
+                     "dict as the one positional argument, e.g. forward(self, batch)); accepted: bw.wrap(..., "
+                     "dict_inputs='kwargs') or bw.wrap(..., dict_inputs='positional') to choose one, or a forward "
+                     "whose parameters fit one of them")

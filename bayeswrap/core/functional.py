@@ -20,7 +20,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from bayeswrap.core.batches import map_tensors
+from bayeswrap.core.batches import dict_call_style, map_tensors
 
 ParamSelector = Union[None, str, Sequence[str], Callable[[str, torch.Tensor], bool]]
 
@@ -238,7 +238,7 @@ def split_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, to
 
 
 def call(model: nn.Module, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-         x: torch.Tensor | tuple, output_key: str = "logits") -> torch.Tensor:
+         x: torch.Tensor | tuple, output_key: str = "logits", dict_inputs: str = "auto") -> torch.Tensor:
     """Evaluates ``model`` at the given tensors without touching its own state.
 
     ``torch.func.functional_call(model, (params, buffers), x)``. In train mode
@@ -249,14 +249,20 @@ def call(model: nn.Module, params: Mapping[str, torch.Tensor], buffers: Mapping[
         model: the user's module (used only as a function).
         params: every parameter of ``model`` by name.
         buffers: every buffer of ``model`` by name.
-        x: the input, a tuple of positional inputs (``model(*x)``), or a mapping of keyword inputs
-            (``model(**x)``, as a Hugging Face batch without its labels).
+        x: the input, a tuple of positional inputs (``model(*x)``), or a mapping: keyword inputs
+            (``model(**x)``, as a Hugging Face batch without its labels) or one positional dict (``model(x)``), as
+            ``dict_inputs`` says.
         output_key: which output to use when the model returns a mapping (see :func:`model_output`).
+        dict_inputs: how a mapping ``x`` is passed (:func:`bayeswrap.core.batches.dict_call_style`): ``"auto"``
+            (from ``model.forward``'s signature), ``"kwargs"`` or ``"positional"``.
 
     Returns:
         The model's output tensor: what ``model.forward`` returns, read by :func:`model_output`.
+
+    Raises:
+        ValueError: for a mapping ``x`` that fits both or neither convention of ``dict_inputs="auto"``.
     """
-    args, kwargs = call_arguments(x)
+    args, kwargs = call_arguments(x, model, dict_inputs)
     out = functional_call(model, (dict(params), dict(buffers)), args, kwargs, tie_weights=_has_tied_tensors(model),
                           strict=False)
     return out if isinstance(out, torch.Tensor) else model_output(out, output_key)
@@ -299,11 +305,14 @@ def model_output(out, output_key: str = "logits") -> torch.Tensor:
                     f"element is one, or a mapping / ModelOutput with the outputs under output_key={output_key!r}")
 
 
-def call_arguments(x) -> tuple[tuple, dict | None]:
+def call_arguments(x, model=None, dict_inputs: str = "auto") -> tuple[tuple, dict | None]:
     """``(args, kwargs)`` of a forward call on inputs ``x``: a tensor ``model(x)``, a tuple ``model(*x)``, a
-    mapping ``model(**x)``.
+    mapping ``model(**x)`` or ``model(x)`` (:func:`bayeswrap.core.batches.dict_call_style`; ``model(**x)`` when no
+    model is given).
     """
     if isinstance(x, Mapping):
+        if model is not None and dict_call_style(model, x.keys(), dict_inputs) == "positional":
+            return (x,), None
         return (), dict(x)
     return (x if isinstance(x, tuple) else (x,)), None
 

@@ -21,7 +21,13 @@ import torch
 from torch import nn
 
 from bayeswrap.core import fused
-from bayeswrap.core.batches import NonFiniteInputError, check_inputs_finite, class_labels, without_key
+from bayeswrap.core.batches import (
+    NonFiniteInputError,
+    check_dict_inputs,
+    check_inputs_finite,
+    class_labels,
+    without_key,
+)
 from bayeswrap.core.checks import SCALE_RANGE, check_float, check_int, check_scale  # noqa: F401 (re-exported)
 from bayeswrap.core.functional import (
     NamedTensors,
@@ -41,7 +47,7 @@ from bayeswrap.methods.registry import METHODS, method_option_defaults, register
 
 #: the options of :class:`BayesianModel` itself, which every method takes (the rest are a method's own)
 COMMON_OPTIONS = ("num_data", "prior_std", "prior_mean", "bias", "params", "likelihood", "noise_std", "kl_weight",
-                  "chunk_size", "output_key", "label_key")
+                  "chunk_size", "output_key", "label_key", "dict_inputs")
 
 
 class NotFittedError(RuntimeError):
@@ -113,6 +119,9 @@ class BayesianModel(nn.Module, ABC):
             targets (``"labels"``); the other keys are the model's keyword inputs
             (:func:`bayeswrap.core.batches.batch_pair`). ``predict`` drops this key from a
             mapping input.
+        dict_inputs: how dict inputs reach the model: ``"auto"`` (from its ``forward``'s signature),
+            ``"kwargs"`` (``model(**inputs)``, a Hugging Face model) or ``"positional"`` (``model(inputs)``, a
+            ``forward(self, batch)``); the rule: :mod:`bayeswrap.core.batches`.
 
     Raises:
         ValueError: on an unknown likelihood or bias option; ``num_data`` or
@@ -165,6 +174,9 @@ class BayesianModel(nn.Module, ABC):
     #: run settings (fields of the command line's run config) that only this method reads, e.g. a sampler's
     #: burn-in in epochs; a ``per_method`` entry may set them for this method only
     run_fields: tuple[str, ...] = ()
+    #: whether :meth:`after_fit` iterates the training loader again (Laplace's curvature, SWAG's BatchNorm
+    #: updates), so that :func:`bayeswrap.fit` refuses a one-shot iterator (a generator) as ``train_loader``
+    reads_train_loader_after_fit = False
 
     @classmethod
     def run_options(cls, run) -> dict:
@@ -190,7 +202,7 @@ class BayesianModel(nn.Module, ABC):
     def __init__(self, model: nn.Module, *, num_data: int, prior_std: float | None = 1.0, prior_mean="init",
                  bias: str = "informative", params: ParamSelector = None, likelihood: str = "categorical",
                  noise_std: float | str = 1.0, kl_weight: float = 1.0, chunk_size: int = 8, output_key: str = "logits",
-                 label_key: str = "labels"):
+                 label_key: str = "labels", dict_inputs: str = "auto"):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -208,6 +220,7 @@ class BayesianModel(nn.Module, ABC):
         self.bias = bias
         self.output_key = _check_key("output_key", output_key)
         self.label_key = _check_key("label_key", label_key)
+        self.dict_inputs = check_dict_inputs(dict_inputs)
         self.likelihood = make_likelihood(likelihood, noise_std)
         if getattr(self.likelihood, "learned", False) and not self.supports_learned_noise:
             raise ValueError(f"noise_std='learn' is not accepted by method {self.method!r}; accepted: a fixed number "
@@ -389,7 +402,8 @@ class BayesianModel(nn.Module, ABC):
         net = self.model
         if self._lrt and any(n in self._lrt_var_names for n in theta):  # moments: sample pre-activations
             net = self._skeleton[1]
-        return call(net, tensors, self.model_buffers.as_dict(), without_key(x, self.label_key), self.output_key)
+        return call(net, tensors, self.model_buffers.as_dict(), without_key(x, self.label_key), self.output_key,
+                    self.dict_inputs)
 
     def forward(self, x, num_samples: int = 0) -> torch.Tensor:
         """Posterior predictive, see :meth:`predict`."""

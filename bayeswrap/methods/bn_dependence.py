@@ -26,7 +26,8 @@ from bayeswrap.core.functional import call, outside_inference_mode
 
 @outside_inference_mode
 def batchnorm_fed_by(model: nn.Module, tensors: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-                     x, names: Collection[str], batchnorms: list[str], output_key: str = "logits") -> list[str]:
+                     x, names: Collection[str], batchnorms: list[str], output_key: str = "logits",
+                     dict_inputs: str = "auto") -> list[str]:
     """The BatchNorm layers of ``model`` whose input depends on the parameters ``names``.
 
     Args:
@@ -36,7 +37,7 @@ def batchnorm_fed_by(model: nn.Module, tensors: Mapping[str, torch.Tensor], buff
         x: an input batch of the model (only its first example is used).
         names: the Bayesian parameter names.
         batchnorms: names of the BatchNorm modules to check.
-        output_key: as for :func:`bayeswrap.core.functional.call`.
+        output_key, dict_inputs: as for :func:`bayeswrap.core.functional.call`.
 
     Returns:
         The names in ``batchnorms`` whose input requires a gradient when only ``names`` do, in the given order.
@@ -57,7 +58,8 @@ def batchnorm_fed_by(model: nn.Module, tensors: Mapping[str, torch.Tensor], buff
             probe_tensors = {n: t.detach().requires_grad_(n in chosen and t.is_floating_point())
                              for n, t in tensors.items()}
             model.eval()
-            call(model, probe_tensors, {n: b.clone() for n, b in buffers.items()}, take(x, slice(0, 1)), output_key)
+            call(model, probe_tensors, {n: b.clone() for n, b in buffers.items()}, take(x, slice(0, 1)), output_key,
+                 dict_inputs)
     finally:
         for handle in handles:
             handle.remove()

@@ -76,6 +76,7 @@ from bayeswrap.methods.base import (
     register_method,
 )
 from bayeswrap.methods.map import MAP
+from bayeswrap.methods.option_types import check_option_types
 from bayeswrap.methods.predictives import Mixture, Predictive, mixture
 from bayeswrap.methods.reinit import REINIT_ACCEPTED, check_reinit, reinit_parameters, reinitialise
 from bayeswrap.methods.swag import SWAG
@@ -175,6 +176,7 @@ class Ensemble(BayesianModel):
             raise ValueError(f"member_kwargs {unknown} are not options of method {member!r}; accepted: "
                              f"{sorted(from_signature)} (the common options, e.g. prior_std, are given to the "
                              "ensemble itself and passed on to every member)")
+        check_option_types(METHODS[member], self.member_kwargs)
         self.reinit = check_reinit(reinit)
         if init_seed is None:
             init_seed = int(torch.randint(0, 2**31, ()))
@@ -186,6 +188,7 @@ class Ensemble(BayesianModel):
         member_cls = METHODS[member]
         self.required_optimizer = member_cls.required_optimizer
         self.select_best_epoch = member_cls.select_best_epoch
+        self.reads_train_loader_after_fit = member_cls.reads_train_loader_after_fit
         self.bias_options = member_cls.bias_options
         self._vmap_state = "untried" if parallel != "sequential" else "off"
         self._state_cache = self._stacked_buffers = None  # the vmapped loss's view of the members' state

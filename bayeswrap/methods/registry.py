@@ -23,6 +23,8 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
+from bayeswrap.methods.option_types import check_option_types
+
 if TYPE_CHECKING:
     from bayeswrap.methods.base import BayesianModel
 
@@ -187,7 +189,9 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
             ``ModelOutput`` (``"logits"``); a tuple output is read at its first element.
         label_key: the key of the targets in loaders that yield mappings (a Hugging Face data
             collator's ``"labels"``); the other keys are passed to the model as keyword inputs.
-        **method_options_: ``kl_weight`` and ``chunk_size`` for every method, plus
+        **method_options_: ``kl_weight``, ``chunk_size`` and ``dict_inputs`` (how dict inputs reach the model:
+            ``"auto"``, ``"kwargs"`` for ``model(**inputs)``, ``"positional"`` for ``model(inputs)``; see
+            :mod:`bayeswrap.core.batches`) for every method, plus
             the method's own options (:func:`method_options`; the class's docstring describes them):
 
             {method_options}
@@ -197,7 +201,9 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
         The :class:`BayesianModel` of the chosen method.
 
     Raises:
-        ValueError: for an unknown method or option, or any invalid value (the
+        ValueError: for an unknown method or option, a method option of the wrong kind for its constructor's
+            annotation (:mod:`bayeswrap.methods.option_types`: e.g. ``flow_hidden=10`` for a tuple of widths,
+            naming the method, the option, the value, its type and the accepted kind), or any invalid value (the
             message names the value and lists the accepted ones): integer options
             (``num_data``, ``chunk_size``, ``num_train_samples``, ``thinning``, ...)
             that are not integers in range (bools, NaN, inf, strings and
@@ -213,13 +219,14 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not known; accepted: {tuple(METHODS)}")
-    accepted = ("kl_weight", "chunk_size") + method_options(method)
+    accepted = ("kl_weight", "chunk_size", "dict_inputs") + method_options(method)
     unknown = [k for k in method_options_ if k not in accepted]
     if unknown:
         raise ValueError(f"option(s) {unknown} are not accepted by method {method!r}; accepted: {accepted}")
     arguments = dict(num_data=num_data, prior_std=prior_std, prior_mean=prior_mean, bias=bias, params=params,
                      likelihood=likelihood, noise_std=noise_std, output_key=output_key, label_key=label_key,
                      **method_options_)
+    check_option_types(METHODS[method], method_options_, build=lambda: METHODS[method](model, **arguments))
     bnn = METHODS[method](model, **arguments)
     bnn.wrap_arguments = {"method": method, **arguments}  # what bayeswrap.save stores to rebuild it
     return bnn

@@ -102,7 +102,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from bayeswrap.core.batches import batch_pair, to_device, without_key
+from bayeswrap.core.batches import batch_pair, check_reiterable, to_device, without_key
 from bayeswrap.core.checks import check_choice, check_float, check_int, check_scale
 from bayeswrap.core.functional import NamedTensors, call
 from bayeswrap.core.samples import RingStore, welford_update_, welford_variance
@@ -198,6 +198,7 @@ class SWAG(MAP):
     #: the paper's recipe, SGD with momentum (these are also the command line's defaults); the collection lr is
     #: swa_lr's (2 × lr by default)
     recommended = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9}
+    reads_train_loader_after_fit = True  # kept for the BatchNorm updates, which iterate it again
     select_best_epoch = False  # the posterior is the moments of the whole collection phase, not one epoch's state
     in_default_comparison = True
     loss_free_state = ("deviations.", "moment_mean.", "moment_m2.")
@@ -460,6 +461,7 @@ class SWAG(MAP):
         if loader is None or not hasattr(loader, "__iter__"):
             raise ValueError(f"loader={loader!r} is not accepted; accepted: an iterable of (inputs, targets) "
                              "training batches, e.g. a torch DataLoader")
+        check_reiterable(loader, "loader", 2, "the BatchNorm update iterates it for every recomputation")
         self._bn_loader = loader
         self._bn_mean = None  # recomputed from these batches
 
@@ -602,7 +604,7 @@ class SWAG(MAP):
                     break
                 x, _ = batch_pair(batch, f"the BatchNorm update loader (batch {seen})", self.label_key)
                 x = to_device(x, device)
-                call(self.model, tensors, buffers, x)
+                call(self.model, tensors, buffers, x, self.output_key, self.dict_inputs)
                 seen += 1
         finally:
             for m, momentum in zip(modules, momenta):
@@ -647,13 +649,13 @@ class SWAG(MAP):
             tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **self.theta.as_dict()}
             self.bn_fed = batchnorm_fed_by(self.model, tensors, self.model_buffers.as_dict(),
                                            without_key(x, self.label_key), self.bayesian_names, self._bn_layers,
-                                           self.output_key)
+                                           self.output_key, self.dict_inputs)
         return self.bn_fed
 
     def _outputs_with(self, theta: Mapping[str, torch.Tensor], x, buffers: Mapping[str, torch.Tensor]):
         """Outputs under Bayesian parameters ``theta`` with ``buffers`` (recomputed BatchNorm statistics)."""
         tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
-        return call(self.model, tensors, buffers, without_key(x, self.label_key), self.output_key)
+        return call(self.model, tensors, buffers, without_key(x, self.label_key), self.output_key, self.dict_inputs)
 
     def _forward_bn(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
         """Outputs under one draw ``theta`` with BatchNorm statistics recomputed for it (Maddox et al. 2019, §4)."""

@@ -80,6 +80,8 @@ class CurvatureFitting:
     machinery the GLM predictive reuses (per-example chunks, the last layer's features, the layer engine).
     """
 
+    reads_train_loader_after_fit = True  # after_fit fits the curvature on it
+
     def after_fit(self, train_loader) -> None:
         """Fits the curvature on the training data once MAP training is done."""
         self.fit_curvature(train_loader)

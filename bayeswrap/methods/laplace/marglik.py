@@ -32,6 +32,7 @@ import warnings
 
 import torch
 
+from bayeswrap.core.batches import check_reiterable
 from bayeswrap.core.checks import SCALE_RANGE, check_choice, check_float, check_int, check_scale
 from bayeswrap.core.functional import outside_inference_mode
 from bayeswrap.evaluation.tuning import select_by_val_nll, tune
@@ -433,6 +434,8 @@ def validation_search(bnn, val_loader, grid=None, *, predictive: Predictive | No
     grid = _check_grid(grid)
     num_samples = check_int("num_samples", num_samples, minimum=1)  # S = 0 would score the MAP at every δ
     seed = check_int("seed", seed)
+    check_reiterable(val_loader, "val_loader", 2 if bounds is not None else len(grid),
+                     f"the search scores it once per prior precision ({len(grid)} in the grid)")
     device = model_device(bnn)
 
     def val_nll_of(delta: float) -> float:
