@@ -203,7 +203,8 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
         raise failure
     if failed is not None:
         raise runs.RunFolderError(failed)
-    command = resume_command or f"bayeswrap fit --resume {run_dir}"
+    launcher = f"torchrun --nproc_per_node={world} -m " if world > 1 else ""
+    command = resume_command or f"{launcher}bayeswrap fit --resume {run_dir}"
     handler = None
     try:
         ckpt = None
@@ -213,6 +214,8 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
             runs.clear(run_dir)
             runs._write_marker(run_dir, "run")
         if main:
+            if resume:  # unfinished again until this run ends: best.pt may now be replaced by an epoch's state
+                (run_dir / "metrics.json").unlink(missing_ok=True)
             handler = _setup_logging(run_dir)
             if changes:
                 log.info("resumed with changes %s", changes)
@@ -223,6 +226,11 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
         return run_dir, metrics
     except KeyboardInterrupt:
         raise RunInterrupted(run_dir, command) from None
+    except distributed.CollectiveError as err:  # another rank died or hung: say what the folder keeps
+        kept = ("last.pt keeps its last complete epoch" if (run_dir / "last.pt").is_file() else
+                "no epoch was complete (no last.pt), so a resume starts it again")
+        raise distributed.CollectiveError(f"{err}. The run in {run_dir} did not finish (no metrics.json); {kept}. "
+                                          f"Resume with: {command}") from err
     finally:
         if handler is not None:
             log.removeHandler(handler)
