@@ -214,8 +214,6 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
             runs.clear(run_dir)
             runs._write_marker(run_dir, "run")
         if main:
-            if resume:  # unfinished again until this run ends: best.pt may now be replaced by an epoch's state
-                (run_dir / "metrics.json").unlink(missing_ok=True)
             handler = _setup_logging(run_dir)
             if changes:
                 log.info("resumed with changes %s", changes)
@@ -358,6 +356,8 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
             log.info("data-parallel: %d processes, global batch %d (%d per process)", distributed.world_size(),
                      cfg.batch_size, cfg.batch_size // distributed.world_size())
     board = _tensorboard(run_dir, start_epoch) if main else None
+    if main:  # a resumed run is unfinished again until it ends: its epochs may replace best.pt
+        (run_dir / "metrics.json").unlink(missing_ok=True)
 
     def on_epoch_end(epoch, record):
         bnn.eval()
