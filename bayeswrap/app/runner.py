@@ -198,7 +198,8 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
         raise failure
     if failed is not None:
         raise runs.RunFolderError(failed)
-    command = resume_command or f"bayeswrap fit --resume {run_dir}"
+    launcher = f"torchrun --nproc_per_node={world} -m " if world > 1 else ""
+    command = resume_command or f"{launcher}bayeswrap fit --resume {run_dir}"
     handler = None
     try:
         ckpt = None
@@ -218,6 +219,11 @@ def run_fit(cfg: RunConfig, sample_counts: list[int] | None = None, tuning: dict
         return run_dir, metrics
     except KeyboardInterrupt:
         raise RunInterrupted(run_dir, command) from None
+    except distributed.CollectiveError as err:  # another rank died or hung: say what the folder keeps
+        kept = ("last.pt keeps its last complete epoch" if (run_dir / "last.pt").is_file() else
+                "no epoch was complete (no last.pt), so a resume starts it again")
+        raise distributed.CollectiveError(f"{err}. The run in {run_dir} did not finish (no metrics.json); {kept}. "
+                                          f"Resume with: {command}") from err
     finally:
         if handler is not None:
             log.removeHandler(handler)
@@ -346,6 +352,8 @@ def _train_and_report(cfg, run_dir, splits, ood_test, bnn, optimizer, device, sa
             log.info("data-parallel: %d processes, global batch %d (%d per process)", distributed.world_size(),
                      cfg.batch_size, cfg.batch_size // distributed.world_size())
     board = _tensorboard(run_dir, start_epoch) if main else None
+    if main:  # a resumed run is unfinished again until it ends: its epochs may replace best.pt
+        (run_dir / "metrics.json").unlink(missing_ok=True)
 
     def on_epoch_end(epoch, record):
         bnn.eval()

@@ -43,10 +43,19 @@ missing or non-integer variable and its value), then logs what it waits for
 number of seconds) for every process to join; a ``WORLD_SIZE=2`` with no
 second process then fails with a ``TimeoutError`` saying what was missing,
 instead of waiting for torch's 30-minute default.
+
+**Every collective is bounded, and its failure is named.** A collective waits
+at most :func:`collective_timeout` seconds for the other ranks (30 minutes, as
+torch's default; ``BAYESWRAP_COLLECTIVE_TIMEOUT`` sets another number of
+seconds). When one fails, because another process died (``torchrun`` then also
+stops the others), hung past that timeout, or the connection broke, every
+helper here raises :class:`CollectiveError`, which names this rank, the
+collective and the timeout, instead of torch's backend message alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
@@ -63,6 +72,10 @@ BUCKET_CAP_MB = 25.0
 RENDEZVOUS_TIMEOUT_S = 300.0
 #: environment variable that overrides :data:`RENDEZVOUS_TIMEOUT_S` (seconds, a number > 0)
 RENDEZVOUS_TIMEOUT_ENV = "BAYESWRAP_RENDEZVOUS_TIMEOUT"
+#: seconds a collective of a group made by :func:`init_from_env` waits for the other ranks (torch's default, 30 min)
+COLLECTIVE_TIMEOUT_S = 1800.0
+#: environment variable that overrides :data:`COLLECTIVE_TIMEOUT_S` (seconds, a number > 0)
+COLLECTIVE_TIMEOUT_ENV = "BAYESWRAP_COLLECTIVE_TIMEOUT"
 
 log = logging.getLogger("bayeswrap")
 
@@ -144,6 +157,25 @@ def local_rank() -> int:
     return _env_int("LOCAL_RANK", 0, 0)
 
 
+def _env_seconds(name: str, default: float) -> float:
+    """A number of seconds > 0 from the environment variable ``name``, ``default`` if unset or blank.
+
+    Raises:
+        ValueError: if the variable is set but is not a finite number > 0, naming its value.
+    """
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={text!r} in the environment is not valid; accepted: a number of seconds > 0 "
+                         f"(default {default:g})")
+    return value
+
+
 def rendezvous_timeout() -> float:
     """Seconds the rendezvous of :func:`init_from_env` waits: ``BAYESWRAP_RENDEZVOUS_TIMEOUT`` if set, else
     :data:`RENDEZVOUS_TIMEOUT_S`.
@@ -151,17 +183,46 @@ def rendezvous_timeout() -> float:
     Raises:
         ValueError: if the variable is set but is not a finite number > 0, naming its value.
     """
-    text = os.environ.get(RENDEZVOUS_TIMEOUT_ENV)
-    if text is None or not text.strip():
-        return RENDEZVOUS_TIMEOUT_S
+    return _env_seconds(RENDEZVOUS_TIMEOUT_ENV, RENDEZVOUS_TIMEOUT_S)
+
+
+def collective_timeout() -> float:
+    """Seconds a collective of :func:`init_from_env`'s group waits for the other ranks:
+    ``BAYESWRAP_COLLECTIVE_TIMEOUT`` if set, else :data:`COLLECTIVE_TIMEOUT_S`.
+
+    Raises:
+        ValueError: if the variable is set but is not a finite number > 0, naming its value.
+    """
+    return _env_seconds(COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_S)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: another process died or was killed, hung past the collective timeout, or the
+    connection between the processes broke. The message names this rank, the collective and the timeout.
+    """
+
+
+#: the timeout of the group :func:`init_from_env` made (seconds), for the messages; None for a caller's group
+_timeout_s: float | None = None
+
+
+@contextlib.contextmanager
+def _collective(what: str):
+    """Turns a backend's failure inside the block (a RuntimeError: gloo's "Connection reset by peer" or "Timed
+    out waiting", NCCL's watchdog) into a :class:`CollectiveError` naming this rank, ``what`` and the timeout.
+    """
     try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{RENDEZVOUS_TIMEOUT_ENV}={text!r} in the environment is not valid; accepted: a number "
-                         f"of seconds > 0 (default {RENDEZVOUS_TIMEOUT_S:g})")
-    return value
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as err:
+        text = str(err).strip()
+        first = text.splitlines()[0] if text else type(err).__name__
+        waited = (f"the collective timeout is {_timeout_s:g} s ({COLLECTIVE_TIMEOUT_ENV} sets it)"
+                  if _timeout_s is not None else "the collective timeout is the process group's")
+        raise CollectiveError(f"data-parallel: rank {rank()} of {world_size()} lost the other processes during "
+                              f"{what} ({first}); another process died or was killed, hung for longer than the "
+                              f"collective timeout, or the connection broke; {waited}") from err
 
 
 def rendezvous_env() -> dict:
@@ -187,7 +248,7 @@ def rendezvous_env() -> dict:
     return out
 
 
-def init_from_env(device: torch.device | str = "cpu", timeout_minutes: float = 30.0,
+def init_from_env(device: torch.device | str = "cpu", timeout_minutes: float | None = None,
                   rendezvous_seconds: float | None = None) -> bool:
     """Initialises the default process group from ``torchrun``'s environment when ``WORLD_SIZE`` > 1.
 
@@ -200,7 +261,9 @@ def init_from_env(device: torch.device | str = "cpu", timeout_minutes: float = 3
 
     Args:
         device: the device the model trains on.
-        timeout_minutes: how long a collective waits for the other ranks.
+        timeout_minutes: how long a collective waits for the other ranks; default
+            :func:`collective_timeout` (``BAYESWRAP_COLLECTIVE_TIMEOUT`` seconds, else 30 minutes). A
+            collective that fails then raises :class:`CollectiveError`.
         rendezvous_seconds: how long to wait for every process to join; default
             :func:`rendezvous_timeout` (``BAYESWRAP_RENDEZVOUS_TIMEOUT``, else 300 s).
 
@@ -210,8 +273,8 @@ def init_from_env(device: torch.device | str = "cpu", timeout_minutes: float = 3
 
     Raises:
         ValueError: for a missing or bad ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
-            ``MASTER_ADDR``, ``MASTER_PORT`` or ``BAYESWRAP_RENDEZVOUS_TIMEOUT`` (naming it
-            and its value), or a CUDA device while CUDA is unavailable.
+            ``MASTER_ADDR``, ``MASTER_PORT``, ``BAYESWRAP_RENDEZVOUS_TIMEOUT`` or
+            ``BAYESWRAP_COLLECTIVE_TIMEOUT`` (naming it and its value), or a CUDA device while CUDA is unavailable.
         TimeoutError: if not every process joined within the rendezvous timeout
             (or rank 0's address cannot be reached or bound), naming what it waited for.
     """
@@ -221,6 +284,9 @@ def init_from_env(device: torch.device | str = "cpu", timeout_minutes: float = 3
     wait = rendezvous_timeout() if rendezvous_seconds is None else float(rendezvous_seconds)
     if not (math.isfinite(wait) and wait > 0):
         raise ValueError(f"rendezvous_seconds={rendezvous_seconds!r} is not valid; accepted: a number > 0")
+    seconds = collective_timeout() if timeout_minutes is None else 60.0 * float(timeout_minutes)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"timeout_minutes={timeout_minutes!r} is not valid; accepted: a number > 0")
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -240,14 +306,18 @@ def init_from_env(device: torch.device | str = "cpu", timeout_minutes: float = 3
                            f"{env['world_size']} processes ({first}); start every process (torchrun "
                            f"--nproc_per_node={env['world_size']} ...), unset WORLD_SIZE to run in one process, or "
                            f"raise {RENDEZVOUS_TIMEOUT_ENV} (seconds)") from None
-    collective = datetime.timedelta(minutes=timeout_minutes)
+    global _timeout_s
+    collective = datetime.timedelta(seconds=seconds)
     store.set_timeout(collective)
     dist.init_process_group(backend, store=store, rank=rank_, world_size=size, timeout=collective)
+    _timeout_s = seconds
     return True
 
 
 def destroy() -> None:
     """Destroys the default process group if there is one."""
+    global _timeout_s
+    _timeout_s = None
     if is_initialized():
         dist.destroy_process_group()
 
@@ -297,6 +367,9 @@ def all_reduce_gradients_(params: Iterable[torch.Tensor], batch_size: int, *, lo
 
     Returns:
         ``(global_batch_size, all_losses_finite)``.
+
+    Raises:
+        CollectiveError: if another rank died, hung past the collective timeout, or the connection broke.
     """
     if not is_distributed():
         return batch_size, loss_finite
@@ -312,8 +385,9 @@ def all_reduce_gradients_(params: Iterable[torch.Tensor], batch_size: int, *, lo
         flats.append(flat.to(_collective_device(flat.device)))
     if host is None:  # no float32 gradients: the batch size and flag travel on their own
         flats.append(meta.to(_collective_device(meta.device)))
-    for flat in flats:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    with _collective("the all-reduce of the gradients"):
+        for flat in flats:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     reduced_meta = (flats[host][-2:] if host is not None else flats[-1]).cpu()
     total, bad = float(reduced_meta[0]), float(reduced_meta[1])
     for bucket, flat in zip(buckets, flats):
@@ -331,13 +405,17 @@ def all_reduce_sum_(tensors: Iterable[torch.Tensor]) -> None:
     For accumulators such as Laplace's curvature sums, log-likelihood and
     example count: every rank passes its partial sums, in the same order, and
     gets the totals. Booleans and integers are summed exactly (integers as int64).
+
+    Raises:
+        CollectiveError: if another rank died, hung past the collective timeout, or the connection broke.
     """
     if not is_distributed():
         return
     for t in tensors:
         buf = t if t.dtype != torch.bool else t.to(torch.uint8)
         work = buf.to(_collective_device(buf.device))
-        dist.all_reduce(work, op=dist.ReduceOp.SUM)
+        with _collective("an all-reduce of sums"):
+            dist.all_reduce(work, op=dist.ReduceOp.SUM)
         if work is not t:
             t.copy_(work.to(t.device, t.dtype))
 
@@ -360,12 +438,17 @@ def average_(tensors: Iterable[torch.Tensor]) -> None:
 
 
 def all_reduce_numbers(values: Sequence[float]) -> list[float]:
-    """The sums over ranks of a few Python numbers (float64), e.g. an epoch's loss totals."""
+    """The sums over ranks of a few Python numbers (float64), e.g. an epoch's loss totals.
+
+    Raises:
+        CollectiveError: if another rank died, hung past the collective timeout, or the connection broke.
+    """
     if not is_distributed():
         return [float(v) for v in values]
     t = torch.tensor([float(v) for v in values], dtype=torch.float64)
     t = t.to(_collective_device(t.device))
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    with _collective("the all-reduce of the epoch's totals"):
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.cpu().tolist()
 
 
@@ -375,6 +458,9 @@ def broadcast_module_(module: torch.nn.Module, src: int = 0) -> None:
     One broadcast per (device, dtype) bucket. Boolean buffers travel as uint8.
     Tensors outside parameters and buffers (e.g. an SGLD sample store's draws)
     are not sent: use :func:`broadcast_state_dict_` for a whole state.
+
+    Raises:
+        CollectiveError: if another rank died, hung past the collective timeout, or the connection broke.
     """
     if not is_distributed():
         return
@@ -385,7 +471,8 @@ def broadcast_module_(module: torch.nn.Module, src: int = 0) -> None:
         if flat.dtype == torch.bool:
             flat = flat.to(torch.uint8)
         work = flat.to(_collective_device(flat.device))
-        dist.broadcast(work, src=src)
+        with _collective(f"the broadcast of rank {src}'s parameters and buffers"):
+            dist.broadcast(work, src=src)
         offset = 0
         with torch.no_grad():
             for p in parts:
@@ -394,11 +481,16 @@ def broadcast_module_(module: torch.nn.Module, src: int = 0) -> None:
 
 
 def broadcast_object(obj, src: int = 0):
-    """Rank ``src``'s ``obj`` (any picklable object) on every rank; ``obj`` itself without a group."""
+    """Rank ``src``'s ``obj`` (any picklable object) on every rank; ``obj`` itself without a group.
+
+    Raises:
+        CollectiveError: if another rank died, hung past the collective timeout, or the connection broke.
+    """
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with _collective(f"a broadcast from rank {src}"):
+        dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -451,11 +543,13 @@ def check_same_across_ranks(name: str, value: int) -> None:
 
     Raises:
         ValueError: naming ``name`` and each rank's value.
+        CollectiveError: if another rank died, hung past the collective timeout, or the connection broke.
     """
     if not is_distributed():
         return
     values = [None] * world_size()
-    dist.all_gather_object(values, int(value))
+    with _collective(f"the comparison of {name} between ranks"):
+        dist.all_gather_object(values, int(value))
     if len(set(values)) > 1:
         raise ValueError(f"{name} differs between ranks ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))}); "
                          "every rank must run the same number of steps (use a DistributedSampler, which pads "
