@@ -2,9 +2,11 @@
 
 torch's CPU kernels run on OpenMP threads. With ``OMP_WAIT_POLICY=ACTIVE`` (and, for a while after each parallel
 region, with libgomp's default) idle threads spin instead of sleeping, so two multi-threaded torch processes on the
-same cores steal each other's time slices while neither does useful work. The CLI sets ``OMP_WAIT_POLICY=PASSIVE``
-unless the environment sets the variable (:func:`bayeswrap.app.cli.main`), and every script of this folder does the
-same before torch is imported (a test checks it).
+same cores steal each other's time slices while neither does useful work; with ``PASSIVE`` they sleep at once, which
+costs a run alone the wake-up latency of every parallel region. Unless the environment sets the variable, the CLI
+sets ``OMP_WAIT_POLICY=PASSIVE`` with ``GOMP_SPINCOUNT=1000`` (a short spin, then sleep:
+:data:`bayeswrap.app.cli.OPENMP_SPIN_COUNT`), and every script of this folder sets ``PASSIVE`` before torch is
+imported (a test checks it).
 
 This script measures what that buys, in one run: it times ``bayeswrap compare`` (a subprocess, the command a user
 types, with torch's default thread count) alone and beside a *hog* (another torch process, 2 threads, square
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -69,21 +72,25 @@ print(n / (time.perf_counter() - t0), flush=True)
 """
 
 
+_SPIN = re.compile(r"spin=\d+")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The script's options: ``--repeats``, ``--policies``, ``--compare-args``, ``--hog-seconds``, ``--out``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="OMP_WAIT_POLICY values given to the compare: default (unset: the CLI's choice), PASSIVE, "
-                        "ACTIVE (default: default,ACTIVE)")
+                        "ACTIVE, or spin=N (PASSIVE after N busy-wait spins: GOMP_SPINCOUNT=N) (default: "
+                        "default,ACTIVE)")
     p.add_argument("--compare-args", default=COMPARE_ARGS, help="arguments of bayeswrap compare")
     p.add_argument("--hog-seconds", type=float, default=20.0, help="length of the hog's run alone (default 20)")
     p.add_argument("--out", default="figures/thread_contention", help="output path without suffix")
     args = p.parse_args(argv)
     args.policies = [s.strip() for s in args.policies.split(",") if s.strip()]
-    bad = [s for s in args.policies if s not in ("default", "PASSIVE", "ACTIVE")]
+    bad = [s for s in args.policies if s not in ("default", "PASSIVE", "ACTIVE") and not _SPIN.fullmatch(s)]
     if bad or not args.policies:
-        p.error(f"--policies {bad or args.policies!r}: accepted values are default, PASSIVE, ACTIVE")
+        p.error(f"--policies {bad or args.policies!r}: accepted values are default, PASSIVE, ACTIVE, spin=N")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: must be at least 1")
     return args
@@ -93,7 +100,11 @@ def _env(policy: str | None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("OMP_WAIT_POLICY", None)
     env.pop("OMP_NUM_THREADS", None)  # torch's default thread count, as a user gets it
-    if policy not in (None, "default"):
+    env.pop("GOMP_SPINCOUNT", None)
+    if policy is not None and _SPIN.fullmatch(policy):
+        env["GOMP_SPINCOUNT"] = policy.split("=")[1]
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    elif policy not in (None, "default"):
         env["OMP_WAIT_POLICY"] = policy
     return env
 
@@ -161,9 +172,10 @@ def _markdown(rows: list[dict], args: argparse.Namespace, meta: dict) -> str:
              f"`bayeswrap compare {args.compare_args}` with torch's default thread count, alone and beside a "
              "2-thread torch process doing matrix products (the *hog*, at torch's own default wait policy), "
              f"median of {args.repeats} interleaved rounds; {meta['cpus']} CPUs, torch {meta['torch']}. "
-             "`default` leaves `OMP_WAIT_POLICY` unset, so the CLI sets `PASSIVE`; `ACTIVE` is what spinning "
-             "threads cost (the CLI's behaviour before it set the variable was libgomp's default, which spins "
-             "between parallel regions).", "",
+             "`default` leaves `OMP_WAIT_POLICY` unset, so the CLI's own choice applies (`PASSIVE` with "
+             "`GOMP_SPINCOUNT=1000`: a short spin, then sleep); `PASSIVE` alone sleeps at once; `ACTIVE` spins "
+             "(libgomp's default, which the CLI had before, spins 300,000 times before sleeping); `spin=N` is "
+             "`PASSIVE` with `GOMP_SPINCOUNT=N`.", "",
              "| OMP_WAIT_POLICY | alone (s) | beside the hog (s) | ratio | hog throughput beside / alone |",
              "|---|---|---|---|---|"]
     for r in rows:

@@ -94,6 +94,15 @@ def _count(name: str, text, minimum: int, maximum: float = math.inf) -> int:
     return int(value)
 
 
+#: busy-wait spins of an idle OpenMP thread before it sleeps, when the user sets neither ``OMP_WAIT_POLICY`` nor
+#: ``GOMP_SPINCOUNT`` (libgomp's own defaults: 300,000 spins, or 0 under ``PASSIVE``). Measured on digits with
+#: ``scripts/thread_contention.py`` on 2 cores (figures/thread_contention.md): alone 22.7 s, as fast as spinning
+#: (``ACTIVE`` 23.5 s) where sleeping at once (``PASSIVE``) took 29.8 s; beside another 2-thread torch process
+#: 1.70x its time alone (``ACTIVE`` 3.03x, ``PASSIVE`` 1.37x). The other process keeps less of its speed than
+#: under ``PASSIVE`` (22 % against 37 %): set ``OMP_WAIT_POLICY=PASSIVE`` to leave it more.
+OPENMP_SPIN_COUNT = 1000
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``bayeswrap`` console script; returns the exit status.
 
@@ -102,13 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     disk, unreachable pretrained weights) and 130 on Ctrl-C, with one line
     naming the command that resumes the run.
 
-    Unless the environment sets it, ``OMP_WAIT_POLICY`` is set to ``PASSIVE`` before torch is imported: idle
-    OpenMP threads then sleep instead of spinning, so a run sharing its cores with other processes (another
-    training job, a test suite) does not slow them, and itself, by busy-waiting. libgomp reads the variable once,
-    when torch loads it, so it has no effect when ``main`` is called from a process that imported torch already.
+    Unless the environment sets ``OMP_WAIT_POLICY``, it is set to ``PASSIVE`` with ``GOMP_SPINCOUNT`` =
+    :data:`OPENMP_SPIN_COUNT` (unless set) before torch is imported: an idle OpenMP thread spins that many times
+    (about 10 µs) and then sleeps, so a run sharing its cores with other processes (another training job, a test
+    suite) does not slow itself and them by busy-waiting, while a run alone keeps the speed of spinning
+    (``scripts/thread_contention.py``). libgomp reads the variables once, when torch loads it, so they have no
+    effect when ``main`` is called from a process that imported torch already.
     """
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "torch" not in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPIN_COUNT))
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(make_parser(method_hint(argv)), argv)  # --help and unknown flags end here, before any torch import
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
