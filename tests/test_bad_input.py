@@ -42,7 +42,7 @@ def _fit(bnn, batches=None, optimizer=None, **kwargs):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"method": "nuts"}, r"method='nuts' is not known; accepted: \('map', 'vi', 'ivon', 'mc_dropout', 'sgld', 'swag', 'laplace'"),
-    ({"likelihood": "poisson"}, r"likelihood='poisson' is not known; accepted: \('categorical', 'gaussian', 'heteroscedastic'\)"),
+    ({"likelihood": "poisson"}, r"likelihood='poisson' is not known; accepted: \('categorical', 'gaussian', 'heteroscedastic', 'causal_lm', 'token_categorical'\)"),
     ({"bias": "gaussian"}, r"bias='gaussian' is not accepted by method 'vi'; accepted: \('informative', 'uninf"),
     ({"prior_std": 0.0}, r"prior_std=0.0 must be a number in \[1e-18, 1e\+18\]"),
     ({"prior_std": -1}, r"prior_std=-1 must be a number in \[1e-18, 1e\+18\]"),

@@ -1,5 +1,8 @@
 """Likelihoods p(y | x, θ) (BayesDLL eq. 2): categorical, Gaussian and heteroscedastic Gaussian.
 
+(The token likelihoods of language models, ``"causal_lm"`` and ``"token_categorical"``, are in
+:mod:`bayeswrap.core.token_likelihoods`.)
+
 Each likelihood turns model outputs into a batch-mean negative log-likelihood
 (the per-datum data term of every objective) and into predictive quantities.
 Likelihoods are ``nn.Module``s: a Gaussian with a learned noise std
@@ -27,7 +30,7 @@ from torch import nn
 
 from bayeswrap.core.checks import check_scale
 
-LIKELIHOODS = ("categorical", "gaussian", "heteroscedastic")
+LIKELIHOODS = ("categorical", "gaussian", "heteroscedastic", "causal_lm", "token_categorical")
 #: the ``noise_std`` value that makes the Gaussian noise std a learned parameter
 LEARN = "learn"
 
@@ -291,7 +294,11 @@ def make_likelihood(likelihood: str, noise_std: float | str = 1.0) -> nn.Module:
     """The likelihood module for a name in ``LIKELIHOODS``.
 
     Args:
-        likelihood: ``"categorical"``, ``"gaussian"`` or ``"heteroscedastic"``.
+        likelihood: ``"categorical"``, ``"gaussian"``, ``"heteroscedastic"``, or a token likelihood for
+            (B, T, V) language-model logits with (B, T) labels, ``-100`` ignored
+            (:mod:`bayeswrap.core.token_likelihoods`): ``"causal_lm"`` (the causal shift, as
+            ``transformers``' causal-LM loss) or ``"token_categorical"`` (no shift: masked LMs, token
+            classification).
         noise_std: the Gaussian noise std (a number in [1e-18, 1e18] or ``"learn"``); the
             other likelihoods ignore a number and refuse ``"learn"``.
 
@@ -307,4 +314,8 @@ def make_likelihood(likelihood: str, noise_std: float | str = 1.0) -> nn.Module:
         raise ValueError(f"noise_std={noise_std!r} is not accepted with likelihood={likelihood!r}, which has no "
                          f"noise std to learn (the heteroscedastic model predicts its own variance); accepted: "
                          f"noise_std={LEARN!r} with likelihood='gaussian'")
+    if likelihood in ("causal_lm", "token_categorical"):
+        from bayeswrap.core.token_likelihoods import TokenCategorical  # it builds on this module's helpers
+
+        return TokenCategorical(shift=likelihood == "causal_lm")
     return Categorical() if likelihood == "categorical" else Heteroscedastic()

@@ -101,7 +101,9 @@ class BayesianModel(nn.Module, ABC):
             ``(name, tensor) -> bool``.
         likelihood: ``"categorical"`` (cross-entropy on logits), ``"gaussian"``
             (regression, eq. 2) or ``"heteroscedastic"`` (the model outputs (B, 2D): means
-            and log-variances; :class:`~bayeswrap.core.likelihoods.Heteroscedastic`).
+            and log-variances; :class:`~bayeswrap.core.likelihoods.Heteroscedastic`), or the token
+            likelihoods ``"causal_lm"`` / ``"token_categorical"`` of (B, T, V) language-model logits
+            (:class:`~bayeswrap.core.token_likelihoods.TokenCategorical`; ``num_data`` in target tokens).
         noise_std: output noise std of the Gaussian likelihood, in target units, or
             ``"learn"``: a point estimate of log σ (starting at σ = 1) that ``parameters()``
             exposes, trained jointly in the loss (Laplace: by the marginal likelihood in

@@ -180,7 +180,10 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
             ``"gaussian"``, ``"spikymix"``, ``"ignore"``).
         params: Bayesian parameters: ``None`` (all), a non-empty list of glob patterns, or a callable.
         likelihood: ``"categorical"``, ``"gaussian"`` (y ~ N(f(x), noise_std²)) or ``"heteroscedastic"``
-            (the model returns (B, 2D): D means, then D log-variances; not with ``"laplace"``).
+            (the model returns (B, 2D): D means, then D log-variances; not with ``"laplace"``), or for
+            language models' (B, T, V) logits with (B, T) labels (-100 ignored) ``"causal_lm"`` (the causal
+            shift) or ``"token_categorical"`` (no shift); for these, count ``num_data`` in target tokens
+            (:func:`bayeswrap.core.token_likelihoods.count_target_tokens`).
         noise_std: Gaussian likelihood noise std: a number, or ``"learn"`` for a learned point estimate
             (log σ, starting at σ = 1; ``bnn.noise_std`` reads and sets it) that ``bnn.parameters()`` exposes
             and the training loss learns jointly with the weights; Laplace learns it by marginal likelihood in
