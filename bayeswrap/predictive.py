@@ -16,7 +16,9 @@ import torch
 from bayeswrap.core.batches import batch_pair, check_inputs_finite, class_labels, to_device
 from bayeswrap.core.checks import check_int
 from bayeswrap.core.likelihoods import at_least_float32
+from bayeswrap.core.token_likelihoods import TOKEN_LIKELIHOODS
 from bayeswrap.evaluation import calibration, regression
+from bayeswrap.evaluation.tokens import valid_tokens
 
 if TYPE_CHECKING:  # a type only: any object with the BayesianModel.predict interface works
     from bayeswrap.methods.base import BayesianModel
@@ -62,7 +64,10 @@ def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generato
     Returns:
         ``(predictive, targets)``: for a categorical likelihood ``probs`` (N, K)
         float32 and labels (N,) int64 (labels of a narrower integer dtype are cast);
-        for a Gaussian one ``(mean, var)`` each (N, D) and targets (N, D). All on the CPU.
+        for a Gaussian one ``(mean, var)`` each (N, D) and targets (N, D); for a token likelihood
+        (``"causal_lm"``, ``"token_categorical"``) the target tokens of every sequence as rows
+        (:func:`bayeswrap.evaluation.tokens.valid_tokens`: labels other than -100, after the causal shift),
+        ``probs`` (N, V) and token ids (N,) int64, N the number of target tokens. All on the CPU.
 
     Raises:
         ValueError: if ``num_samples`` is not an integer >= 0, the loader yields
@@ -84,6 +89,8 @@ def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generato
             else:
                 check_inputs_finite(x)
                 p = bnn._point_predictive(x)
+            if bnn.likelihood.name in TOKEN_LIKELIHOODS:  # (B, T, V) → the (n, V) rows of the target tokens
+                p, y = valid_tokens(p, _checked_tensor(y), shift=bnn.likelihood.name == "causal_lm")
             preds.append(tuple(t.cpu() for t in p) if isinstance(p, tuple) else p.cpu())
             targets.append(_targets_on_cpu(bnn, y))
     if not preds:
@@ -195,12 +202,16 @@ def predictive_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, gener
     return probs.double(), sample_probs, targets
 
 
+def _checked_tensor(y) -> torch.Tensor:
+    if not isinstance(y, torch.Tensor):
+        raise ValueError(f"the loader's targets are a {type(y).__name__}; accepted: a tensor of class labels (B,), "
+                         "token labels (B, T) or regression targets (B, D)")
+    return y
+
+
 def _targets_on_cpu(bnn: BayesianModel, y) -> torch.Tensor:
     """One batch's targets on the CPU; class labels of any integer dtype as int64."""
-    if not isinstance(y, torch.Tensor):
-        raise ValueError(f"the loader's targets are a {type(y).__name__}; accepted: a tensor of class labels (B,) "
-                         "or regression targets (B, D)")
-    y = y.cpu()
+    y = _checked_tensor(y).cpu()
     return class_labels(y) if bnn.likelihood.name == "categorical" else y
 
 
@@ -213,7 +224,8 @@ def score(bnn: BayesianModel, predictive, targets: torch.Tensor) -> dict[str, fl
         targets: the matching targets.
 
     Returns:
-        ``{"nll": ..., "error": ...}`` for classification, with NLL the mean
+        ``{"nll": ..., "error": ...}`` for classification (and per target token for a token likelihood,
+        whose :func:`predict_loader` rows are tokens), with NLL the mean
         −log p(y|x) (probabilities clamped at 1e-12); for regression
         ``{"nll", "rmse", "crps", "coverage_50", "width_50", "coverage_90", ...}``, with NLL the
         Gaussian predictive NLL summed over output dims and averaged over examples, and the
@@ -221,7 +233,7 @@ def score(bnn: BayesianModel, predictive, targets: torch.Tensor) -> dict[str, fl
         the Gaussian N(mean, var) (:func:`bayeswrap.evaluation.regression.regression_report`;
         for a sampled predictive that is the moment-matched Gaussian of the mixture, as for the NLL).
     """
-    if bnn.likelihood.name == "categorical":
+    if bnn.likelihood.name == "categorical" or bnn.likelihood.name in TOKEN_LIKELIHOODS:
         return {"nll": calibration.nll(predictive, targets), "error": 1.0 - calibration.accuracy(predictive, targets)}
     mean, var = predictive
     nll = 0.5 * ((targets - mean).pow(2) / var + var.log() + math.log(2 * math.pi))

@@ -171,3 +171,26 @@ def test_bad_token_inputs_are_refused():
     with pytest.raises(ValueError, match=r"labels must be integer token ids of shape \(2, 3\)"):
         valid_tokens(torch.full((2, 3, 4), 0.25), torch.zeros(2, 4, dtype=torch.long))
     assert math.isfinite(bnn.loss(x, labels).loss.item())
+
+
+def test_loader_evaluation_over_target_tokens():
+    """predict_loader / evaluate pool the target tokens of batches of different lengths, and fit validates on
+    them."""
+    from bayeswrap.predictive import evaluate, predict_loader
+
+    first, second = _batch(1), _batch(2)
+    second = {k: v[:4, :7] for k, v in second.items()}  # another batch size and length
+    loader = [first, second]
+    bnn = bw.wrap(_lm(), "vi", num_data=count_target_tokens(loader), likelihood="causal_lm")
+    probs, targets = predict_loader(bnn, loader, num_samples=2, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    rows = [valid_tokens(bnn.predict(_inputs(b), num_samples=2, generator=gen), b["labels"]) for b in loader]
+    torch.testing.assert_close(probs, torch.cat([r for r, _ in rows]))
+    assert targets.tolist() == torch.cat([y for _, y in rows]).tolist()
+    assert len(targets) == count_target_tokens(loader)
+    scores = evaluate(bnn, loader, num_samples=2, generator=torch.Generator().manual_seed(0))
+    naive_nll = -torch.cat([r[torch.arange(len(y)), y] for r, y in rows]).log().mean().item()
+    assert scores["nll"] == pytest.approx(naive_nll, rel=1e-6)
+    history = bw.fit(bnn, loader, epochs=1, optimizer=torch.optim.Adam(bnn.parameters(), 1e-3), val_loader=loader,
+                     progress=False)
+    assert math.isfinite(history[0]["val_nll"]) and 0 <= history[0]["val_error"] <= 1

@@ -83,7 +83,7 @@ def test_heteroscedastic_nll_predictive_and_shapes():
                                                           r"'categorical'.*accepted: noise_std='learn' with"),
     ({"likelihood": "heteroscedastic", "noise_std": "learn"}, r"not accepted with likelihood='heteroscedastic'"),
     ({"likelihood": "gaussian", "noise_std": "lern"}, r"noise_std='lern' must be a number in .*or noise_std='learn'"),
-    ({"likelihood": "poisson"}, r"accepted: \('categorical', 'gaussian', 'heteroscedastic'\)"),
+    ({"likelihood": "poisson"}, r"accepted: \('categorical', 'gaussian', 'heteroscedastic', 'causal_lm', 'token_categorical'\)"),
 ])
 def test_bad_likelihood_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
