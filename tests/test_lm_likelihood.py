@@ -67,7 +67,8 @@ def test_token_nll_naive_loop_and_reduction_none():
                     per_seq[b] -= logits[b, t - shift].log_softmax(-1)[labels[b, t]].item()
                     count += 1
         assert lik.nll(logits, labels.int()).item() == pytest.approx(sum(per_seq) / count, rel=1e-12)
-        assert lik.nll(logits, labels, reduction="none").tolist() == pytest.approx(per_seq, rel=1e-12)
+        assert lik.nll(logits, labels, reduction="none").tolist() == pytest.approx([v * 3 / count for v in per_seq],
+                                                                                   rel=1e-12)
         loader = [{"labels": labels[:2]}, {"labels": labels[2:]}]
         assert count_target_tokens(loader, shift=bool(shift)) == count
 
@@ -194,3 +195,22 @@ def test_loader_evaluation_over_target_tokens():
     history = bw.fit(bnn, loader, epochs=1, optimizer=torch.optim.Adam(bnn.parameters(), 1e-3), val_loader=loader,
                      progress=False)
     assert math.isfinite(history[0]["val_nll"]) and 0 <= history[0]["val_error"] <= 1
+
+
+def test_ensemble_token_loss_and_mixture():
+    """The vmapped ensemble loss is the mean of its members' token-mean NLLs, and its predictive the mixture of
+    their (B, T, V) probabilities."""
+    batch = _batch()
+    x, labels = _inputs(batch), batch["labels"]
+    torch.manual_seed(0)
+    bnn = bw.wrap(_lm(), "ensemble", num_data=100, likelihood="causal_lm", num_members=2)
+    with torch.no_grad():
+        members = [transformers.GPT2LMHeadModel(_config()).eval() for _ in bnn.members]
+        for member, model in zip(bnn.members, members):
+            model.load_state_dict({**model.state_dict(), **member.to_deterministic().state_dict()})
+        hf = [model(**batch).loss.item() for model in members]
+    assert bnn.loss(x, labels).nll.item() == pytest.approx(sum(hf) / 2, abs=1e-5)
+    probs = bnn.predict(x, num_samples=0)
+    with torch.no_grad():
+        expected = sum(model(**x).logits.softmax(-1) for model in members) / 2
+    torch.testing.assert_close(probs, expected)

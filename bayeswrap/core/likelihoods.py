@@ -31,6 +31,8 @@ from torch import nn
 from bayeswrap.core.checks import check_scale
 
 LIKELIHOODS = ("categorical", "gaussian", "heteroscedastic", "causal_lm", "token_categorical")
+#: the likelihoods whose predictive is class (token) probabilities, mixed linearly over members and samples
+PROBABILITY_LIKELIHOODS = ("categorical", "causal_lm", "token_categorical")
 #: the ``noise_std`` value that makes the Gaussian noise std a learned parameter
 LEARN = "learn"
 

@@ -18,8 +18,9 @@ log-likelihood of a sequence is the sum of its tokens' log-probabilities, and th
 Σ_tokens −log p = N_tokens · mean NLL. Passing ``num_data`` = the number of sequences instead weighs the
 KL (prior) term by (tokens per sequence) more, a prior that is that many times stronger (a valid choice, the
 "sequences" convention, but not the Bayes posterior of the token likelihood). With ``reduction="none"``
-:meth:`TokenCategorical.nll` returns each sequence's summed NLL (B,), so its sum over a batch is the batch's
-log-likelihood (what the Laplace evidence sums).
+:meth:`TokenCategorical.nll` returns one value per sequence whose mean over the batch is the ``"mean"``
+reduction (as for every likelihood, which ensembles rely on): each sequence's summed NLL times
+B / (the batch's number of target tokens).
 
 Sources: Hugging Face ``transformers`` ``loss/loss_utils.py`` (``ForCausalLMLoss``: labels padded with -100
 and shifted by one, ``cross_entropy(ignore_index=-100)``, mean over non-ignored tokens); Yang et al.,
@@ -121,16 +122,18 @@ class TokenCategorical(nn.Module):
             outputs: logits (B, T, V).
             y: labels (B, T), any integer dtype.
             reduction: ``"mean"``: the mean over the batch's target tokens (``transformers``' loss);
-                ``"none"``: each sequence's summed NLL, (B,) (0 for a sequence with no target).
+                ``"none"``: (B,), each sequence's summed NLL times B / (the batch's number of target tokens),
+                so that their mean is the ``"mean"`` reduction (0 for a sequence with no target).
 
         Returns:
             A scalar, or (B,).
         """
         logits, target = self._aligned(at_least_float32(outputs), y.long())
         per = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=IGNORE_INDEX, reduction="none")
+        count = (target != IGNORE_INDEX).sum()
         if reduction == "mean":
-            return per.sum() / (target != IGNORE_INDEX).sum()
-        return per.sum(1)
+            return per.sum() / count
+        return per.sum(1) * per.shape[0] / count
 
     def sample_targets(self, outputs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Y ~ p(y|x,θ): one token per position, (B, T, V) → (B, T) (with the shift, position 0 is -100 and

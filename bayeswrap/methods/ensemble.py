@@ -65,7 +65,7 @@ from torch.func import functional_call, vmap
 from bayeswrap.core.batches import class_labels
 from bayeswrap.core.checks import check_int
 from bayeswrap.core.functional import NamedTensors
-from bayeswrap.core.likelihoods import at_least_float32
+from bayeswrap.core.likelihoods import PROBABILITY_LIKELIHOODS, at_least_float32
 from bayeswrap.core.modules import unwrap_compiled
 from bayeswrap.methods.base import (
     COMMON_OPTIONS,
@@ -374,7 +374,7 @@ class Ensemble(BayesianModel):
 
     def _combine(self, logits: torch.Tensor) -> torch.Tensor:
         """(M, B, ·) member outputs → one (B, ·) output: log mean softmax (categorical) or the mean."""
-        if self.likelihood.name == "categorical":
+        if self.likelihood.name in PROBABILITY_LIKELIHOODS:
             return at_least_float32(logits).log_softmax(-1).logsumexp(0) - math.log(logits.shape[0])
         return logits.mean(0)
 

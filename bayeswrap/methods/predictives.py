@@ -30,6 +30,7 @@ import torch
 from torch.func import vmap
 
 from bayeswrap.core.batches import x_device
+from bayeswrap.core.likelihoods import PROBABILITY_LIKELIHOODS
 
 if TYPE_CHECKING:
     from bayeswrap.methods.base import BayesianModel
@@ -215,7 +216,7 @@ def mixture(likelihood: str, preds: list, weights: list[float]):
     """Σ_m w_m p_m of members' predictives: probabilities (``likelihood="categorical"``), or the mixture's mean and
     variance Σ w (v + μ²) − (Σ w μ)² of their ``(mean, variance)`` pairs (Gaussian, heteroscedastic).
     """
-    if likelihood == "categorical":
+    if likelihood in PROBABILITY_LIKELIHOODS:  # class or token probabilities
         return sum(w * p for w, p in zip(weights, preds))
     mean = sum(w * p[0] for w, p in zip(weights, preds))
     second = sum(w * (p[1] + p[0].pow(2)) for w, p in zip(weights, preds))
