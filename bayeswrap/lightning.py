@@ -107,9 +107,11 @@ from bayeswrap.core import distributed
 from bayeswrap.core.batches import batch_pair, check_inputs_finite, loader_pair, to_device
 from bayeswrap.core.checks import check_bool, check_int
 from bayeswrap.core.functional import nonfinite_names
-from bayeswrap.core.likelihoods import at_least_float32
+from bayeswrap.core.likelihoods import PROBABILITY_LIKELIHOODS, at_least_float32
 from bayeswrap.core.schedules import KLSchedule, check_factor
+from bayeswrap.core.token_likelihoods import TOKEN_LIKELIHOODS
 from bayeswrap.evaluation import calibration, uncertainty
+from bayeswrap.evaluation.tokens import valid_tokens
 from bayeswrap.methods.base import BayesianModel
 from bayeswrap.methods.persistence import _storable, storable_wrap_arguments
 from bayeswrap.methods.registry import wrap
@@ -663,6 +665,8 @@ class BayesianModule(pl.LightningModule):
         else:  # before the posterior exists (Laplace before after_fit, SGLD before its first kept iterate)
             check_inputs_finite(x)
             pred = bnn._point_predictive(x)
+        if bnn.likelihood.name in TOKEN_LIKELIHOODS:  # (B, T, V) → the (n, V) rows of the target tokens
+            pred, y = valid_tokens(pred, y, shift=bnn.likelihood.name == "causal_lm")
         sample_probs = None
         if bnn.likelihood.name == "categorical" and self.val_num_samples >= 2 and bnn.is_ready():
             device = model_device(bnn)
@@ -716,7 +720,7 @@ class BayesianModule(pl.LightningModule):
         else:
             pred = torch.cat([o[0] for o in outputs])
         metrics = score(self.bnn, pred, y)
-        if self.bnn.likelihood.name == "categorical":
+        if self.bnn.likelihood.name in PROBABILITY_LIKELIHOODS:  # classes, or target tokens
             metrics["ece"] = calibration.ece(pred, y, n_bins=self.n_bins)
             metrics["entropy"] = calibration.predictive_entropy(pred)
             if outputs[0][1] is not None:

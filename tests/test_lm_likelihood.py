@@ -214,3 +214,23 @@ def test_ensemble_token_loss_and_mixture():
     with torch.no_grad():
         expected = sum(model(**x).logits.softmax(-1) for model in members) / 2
     torch.testing.assert_close(probs, expected)
+
+
+def test_lightning_validation_scores_target_tokens():
+    pl = pytest.importorskip("lightning.pytorch")
+    from bayeswrap.lightning import BayesianModule
+    from bayeswrap.predictive import evaluate
+
+    loader = [_batch(1), {k: v[:4, :7] for k, v in _batch(2).items()}]
+    bnn = bw.wrap(_lm(), "map", num_data=count_target_tokens(loader), prior_std=None, likelihood="causal_lm")
+    module = BayesianModule(bnn, lambda params: torch.optim.SGD(params, lr=0.0))  # lr 0: the model stays put
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    batches = torch.utils.data.DataLoader(loader, batch_size=None)  # the ready-made batches, one per step
+    trainer.fit(module, batches, batches)
+    expected = evaluate(bnn, loader, num_samples=0)
+    rows = [valid_tokens(bnn.predict(_inputs(b), 0), b["labels"]) for b in loader]
+    probs, targets = torch.cat([r for r, _ in rows]), torch.cat([y for _, y in rows])
+    logged = trainer.callback_metrics
+    assert float(logged["val_nll"]) == pytest.approx(expected["nll"], rel=1e-5)
+    assert float(logged["val_ece"]) == pytest.approx(calibration.ece(probs, targets), abs=1e-6)
