@@ -208,7 +208,7 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
                              f"{LAPLACE_LIKELIHOODS} (for a learned homoscedastic noise: likelihood='gaussian', "
                              "noise_std='learn')")
         if kwargs.get("likelihood") in ("causal_lm", "token_categorical"):  # its curvature reads (B, K) outputs
-            raise ValueError(f"likelihood={kwargs['likelihood']!r} is not supported by method 'laplace' yet; "
+            raise ValueError(f"likelihood={kwargs['likelihood']!r} is not supported by method {self.method!r} yet; "
                              f"accepted: {LAPLACE_LIKELIHOODS} (a causal LM's sequence classifier, e.g. "
                              "GPT2ForSequenceClassification's last-token (B, K) logits, with 'categorical')")
         super().__init__(model, **kwargs)
