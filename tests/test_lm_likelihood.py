@@ -52,6 +52,20 @@ def test_causal_lm_nll_equals_transformers_loss():
     assert out.logits.shape == (B, T, V)
 
 
+def test_token_categorical_nll_equals_transformers_token_classification_loss():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, num_labels=5,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertForTokenClassification(config).eval()
+    batch = _batch()
+    batch["labels"] = batch["labels"].remainder(5).masked_fill(batch["labels"] == -100, -100)
+    with torch.no_grad():
+        reference = model(**batch).loss
+    bnn = bw.wrap(model, "map", num_data=100, prior_std=None, likelihood="token_categorical")
+    assert bnn.loss(_inputs(batch), batch["labels"]).nll.item() == pytest.approx(reference.item(), abs=1e-6)
+
+
 def test_token_nll_naive_loop_and_reduction_none():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 7, generator=g, dtype=torch.float64)
