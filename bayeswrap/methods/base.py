@@ -96,9 +96,10 @@ class BayesianModel(nn.Module, ABC):
         bias: ``"informative"`` (biases share the weights' prior) or
             ``"uninformative"`` (p(θ_b) ∝ 1: no prior/KL term for ``*.bias``).
             MC-dropout accepts more options, see :class:`~bayeswrap.MCDropout`.
-        params: which parameters are Bayesian: ``None`` (all trainable ones), a
-            list of glob patterns over parameter names, or a callable
-            ``(name, tensor) -> bool``.
+        params: which parameters are Bayesian: ``None`` (all trainable ones), ``"last_layer"``,
+            ``"adapters"`` (a peft model's adapter tensors, e.g. LoRA's A and B; ``"adapters_A"``: A only,
+            BLoB; :mod:`bayeswrap.core.adapters`), a list of glob patterns over parameter names, or a
+            callable ``(name, tensor) -> bool``.
         likelihood: ``"categorical"`` (cross-entropy on logits), ``"gaussian"``
             (regression, eq. 2) or ``"heteroscedastic"`` (the model outputs (B, 2D): means
             and log-variances; :class:`~bayeswrap.core.likelihoods.Heteroscedastic`).
