@@ -95,9 +95,14 @@ def test_every_method_fits_adapters_and_keeps_the_base_bit_identical(method):
     assert set(bnn.posterior_std()) == set(lora_names(model))
 
 
+@pytest.mark.parametrize("autocast_adapter", [True, False])
 @pytest.mark.parametrize("method", ["vi", "laplace", "swag"])
-def test_a_bf16_base_stays_bf16_while_the_posterior_state_is_fp32(method):
-    model = make_model(torch.bfloat16)  # peft's autocast_adapter_dtype=True keeps LoRA in fp32
+def test_a_bf16_base_stays_bf16_while_the_posterior_state_is_fp32(method, autocast_adapter):
+    # peft's autocast_adapter_dtype=True (its default) keeps LoRA in fp32; False leaves it bf16, and bayeswrap
+    # keeps the posterior state in fp32 all the same, casting to bf16 where the model is called
+    model = make_model(torch.bfloat16, autocast_adapter_dtype=autocast_adapter)
+    dtype = {p.dtype for n, p in model.named_parameters() if ".lora_" in n}
+    assert dtype == {torch.float32 if autocast_adapter else torch.bfloat16}
     bnn = bw.wrap(model, method, params="adapters", num_data=24)
     batches = make_batches()
     bw.fit(bnn, batches, optimizer=torch.optim.AdamW(bnn.parameters(), lr=1e-2), epochs=1, progress=False)
@@ -110,6 +115,11 @@ def test_a_bf16_base_stays_bf16_while_the_posterior_state_is_fp32(method):
     assert {t.dtype for t in bnn.posterior_std().values()} == {torch.float32}
     probs = bnn.predict({k: v for k, v in batches[0].items() if k != "labels"}, num_samples=3)
     assert probs.shape == (8, 2) and torch.isfinite(probs).all()
+    if method == "vi":  # AdamW's small steps on the fp32 means are not rounded away to bf16's 8 bits
+        means = torch.cat([t.flatten() for t in bnn.posterior_mean().values()])
+        assert not torch.equal(means, means.bfloat16().float())
+        deployed = bnn.to_deterministic()
+        assert {p.dtype for n, p in deployed.named_parameters() if ".lora_" in n} == dtype
 
 
 def test_adapters_on_a_model_without_adapters_names_what_it_found():

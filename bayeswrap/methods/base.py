@@ -234,7 +234,11 @@ class BayesianModel(nn.Module, ABC):
         self.bayesian_names = select_parameters(model, params)
         all_params, buffers = split_state(model)
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        init = {n: all_params[n] for n in self.bayesian_names}
+        # the posterior state is fp32 for half-precision Bayesian parameters (a bf16 model's adapters); each value
+        # is cast back to the parameter's dtype where the model is called (at_call), so the base is never cast
+        self._call_dtypes = {n: all_params[n].dtype for n in self.bayesian_names
+                             if all_params[n].dtype in (torch.float16, torch.bfloat16)}
+        init = {n: all_params[n].float() if n in self._call_dtypes else all_params[n] for n in self.bayesian_names}
         chosen = set(self.bayesian_names)
         self.point = NamedTensors({n: t for n, t in all_params.items() if n in trainable and n not in chosen},
                                   trainable=True)
@@ -385,6 +389,22 @@ class BayesianModel(nn.Module, ABC):
         """
         return param_groups(self, head, lr_head)
 
+    def _at_call(self, theta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``theta`` in the dtypes of the model's own parameters, for a call of the model.
+
+        The posterior state of a half-precision (bf16/fp16) Bayesian parameter is kept in fp32 (means, stds,
+        curvature, stored draws); its values are cast (differentiably) to the parameter's dtype here. Other
+        values, and the moments ``name + "_var"`` of local reparameterisation, pass unchanged.
+
+        Args:
+            theta: ``{name: tensor}`` of Bayesian parameters.
+
+        Returns:
+            A new dict with the same keys.
+        """
+        dtypes = self._call_dtypes
+        return {n: t.to(dtypes[n]) if n in dtypes else t for n, t in theta.items()}
+
     def forward_with(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
         """Evaluates the model with Bayesian parameters ``theta`` (point estimates as they are).
 
@@ -399,7 +419,7 @@ class BayesianModel(nn.Module, ABC):
         Returns:
             Model outputs, e.g. logits of shape (B, K).
         """
-        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
+        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **self._at_call(theta)}
         net = self.model
         if self._lrt and any(n in self._lrt_var_names for n in theta):  # moments: sample pre-activations
             net = self._skeleton[1]
@@ -649,7 +669,7 @@ class BayesianModel(nn.Module, ABC):
             ValueError: for an ensemble, or a model that could not be deep-copied when it was wrapped.
         """
         self._check_ready()
-        values = {**self.point.as_dict(), **self.frozen.as_dict(), **self._deterministic_mean()}
+        values = {**self.point.as_dict(), **self.frozen.as_dict(), **self._at_call(self._deterministic_mean())}
         skeleton = self.model
         if not any(t.is_meta for t in [*skeleton.parameters(), *skeleton.buffers()]):
             raise ValueError("the wrapped model could not be deep-copied when it was wrapped, so bayeswrap has no "
