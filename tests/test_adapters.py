@@ -158,3 +158,26 @@ def test_adapters_save_and_load_on_a_fresh_peft_model(tmp_path):
         got = {**loaded.posterior_mean(), **loaded.posterior_std(), **loaded.point.as_dict(),
                **loaded.frozen.as_dict()}[n]
         assert torch.equal(got, t), n
+
+
+@pytest.mark.parametrize("autocast_adapter", [True, False])
+def test_kfac_laplace_over_the_adapter_linears_of_a_bf16_base(autocast_adapter):
+    model = make_model(torch.bfloat16, autocast_adapter_dtype=autocast_adapter)
+    bnn = bw.wrap(model, "laplace", params="adapters", hessian_structure="kron", num_data=24)
+    batches = make_batches()
+    bw.fit(bnn, batches, optimizer=torch.optim.AdamW(bnn.parameters(), lr=1e-2), epochs=1, progress=False)
+    kron = bnn._structure
+    assert sorted(w for w, _ in kron.layers.values()) == sorted(lora_names(model))  # one A and one B per layer
+    assert all(t.dtype == torch.float32 for t in [*kron.A.values(), *kron.G.values()])
+    assert all(torch.isfinite(t).all() and t.abs().sum() > 0 for t in [*kron.A.values(), *kron.G.values()])
+    probs = bnn.predict({k: v for k, v in batches[0].items() if k != "labels"})  # the GLM predictive
+    assert probs.shape == (8, 2) and torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(8))
+
+
+def test_the_default_params_on_a_peft_model_are_its_adapters_and_head_never_the_base():
+    model = make_model()
+    bnn = bw.wrap(model, "vi", num_data=24)
+    assert bnn.bayesian_names == [n for n, p in model.named_parameters() if p.requires_grad]
+    assert sorted(bnn.bayesian_names) == sorted([*lora_names(model), *(n for n in bnn.bayesian_names
+                                                                         if ".modules_to_save." in n)])
+    assert len(bnn.bayesian_names) == 6 and len(bnn.point.keys()) == 0
