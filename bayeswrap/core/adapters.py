@@ -10,14 +10,19 @@ model in a *tuner layer* (peft's ``BaseTunerLayer``), which names the attributes
 * peft's ``modules_to_save`` copies (a new classifier head of a ``task_type="SEQ_CLS"`` model) are not adapters:
   they are trained as point estimates beside the Bayesian adapters (``params=None`` makes them Bayesian too);
 * everything else is the *base*, which peft freezes (``requires_grad=False``); bayeswrap keeps it as a frozen
-  buffer in the model's own dtype (bf16/fp16 stay as they are), so no optimizer can update it.
+  buffer in the model's own dtype (bf16/fp16 stay as they are; like every tensor of the wrapped model it is copied
+  once when the model is wrapped), so no optimizer built from ``bnn.parameters()`` can update it.
+
+The posterior state of the adapters (means, stds, curvature, stored draws) is fp32 even when they are bf16/fp16
+(peft's ``autocast_adapter_dtype=False``); their values are cast to the adapters' dtype where the model is called
+(:meth:`bayeswrap.BayesianModel.forward_with`).
 
 Prompt-learning methods (prompt/prefix tuning, P-tuning) keep their virtual tokens in a ``prompt_encoder`` outside
 any tuner layer; they are not covered (select them with a glob pattern such as ``"prompt_encoder.*"``).
 
 The prior mean (``prior_mean="init"``, the default) is the adapter's value when the model is wrapped: for a fresh
 LoRA adapter B = 0 (so the adapted model starts at the pretrained function, which is the base, not part of the
-posterior) and A its random initialisation (kaiming-uniform with a = √5, or N(0, 1/r) for
+posterior) and A its random initialisation (kaiming-uniform with a = √5, or N(0, 1/r²) for
 ``init_lora_weights="gaussian"``). ``prior_mean="zero"`` centres A at zero instead. BLoB (Wang et al., NeurIPS 2024,
 §3) puts the Gaussian posterior on A only and keeps B a point estimate: ``params="adapters_A"`` selects the A
 factors (``lora_A``, ``lora_embedding_A``) and leaves the B factors trainable point estimates.
