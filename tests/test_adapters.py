@@ -181,3 +181,22 @@ def test_the_default_params_on_a_peft_model_are_its_adapters_and_head_never_the_
     assert sorted(bnn.bayesian_names) == sorted([*lora_names(model), *(n for n in bnn.bayesian_names
                                                                          if ".modules_to_save." in n)])
     assert len(bnn.bayesian_names) == 6 and len(bnn.point.keys()) == 0
+
+
+@pytest.mark.parametrize("method", ["vi", "sparse_vd", "lbbnn", "mh"])
+def test_a_bf16_model_gets_an_fp32_posterior_under_methods_with_their_own_calls(method):
+    # local reparameterisation's variances (sparse_vd, lbbnn) and a sampler's stored draws (mh) are cast at the call
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).bfloat16()
+    x, y = torch.randn(16, 3).bfloat16(), torch.randint(0, 2, (16,))
+    bnn = bw.wrap(net, method, num_data=16)
+    if method == "mh":
+        bnn.run_chains(x, y, num_samples=4, num_warmup=4, num_chains=2)
+        assert {t.dtype for t in bnn.chain_draws().values()} == {torch.float32}
+    else:
+        bw.fit(bnn, [(x[:8], y[:8]), (x[8:], y[8:])], optimizer=torch.optim.AdamW(bnn.parameters(), lr=1e-2),
+               epochs=2, progress=False)
+    assert {t.dtype for t in bnn.posterior_mean().values()} == {torch.float32}
+    assert {p.dtype for p in net.parameters()} == {torch.bfloat16}
+    probs = bnn.predict(x, num_samples=2)
+    assert probs.shape == (16, 2) and torch.isfinite(probs).all()

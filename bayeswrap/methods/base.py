@@ -393,8 +393,8 @@ class BayesianModel(nn.Module, ABC):
         """``theta`` in the dtypes of the model's own parameters, for a call of the model.
 
         The posterior state of a half-precision (bf16/fp16) Bayesian parameter is kept in fp32 (means, stds,
-        curvature, stored draws); its values are cast (differentiably) to the parameter's dtype here. Other
-        values, and the moments ``name + "_var"`` of local reparameterisation, pass unchanged.
+        curvature, stored draws); its values, and its variance ``name + "_var"`` under local reparameterisation,
+        are cast (differentiably) to the parameter's dtype here. Other values pass unchanged.
 
         Args:
             theta: ``{name: tensor}`` of Bayesian parameters.
@@ -403,7 +403,13 @@ class BayesianModel(nn.Module, ABC):
             A new dict with the same keys.
         """
         dtypes = self._call_dtypes
-        return {n: t.to(dtypes[n]) if n in dtypes else t for n, t in theta.items()}
+        if not dtypes:
+            return dict(theta)
+        out = {}
+        for n, t in theta.items():
+            dtype = dtypes.get(n[:-4] if n.endswith("_var") and n not in dtypes else n)
+            out[n] = t if dtype is None else t.to(dtype)
+        return out
 
     def forward_with(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
         """Evaluates the model with Bayesian parameters ``theta`` (point estimates as they are).
