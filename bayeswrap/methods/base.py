@@ -389,7 +389,7 @@ class BayesianModel(nn.Module, ABC):
         """
         return param_groups(self, head, lr_head)
 
-    def _at_call(self, theta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _at_call(self, theta: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """``theta`` in the dtypes of the model's own parameters, for a call of the model.
 
         The posterior state of a half-precision (bf16/fp16) Bayesian parameter is kept in fp32 (means, stds,
@@ -400,11 +400,11 @@ class BayesianModel(nn.Module, ABC):
             theta: ``{name: tensor}`` of Bayesian parameters.
 
         Returns:
-            A new dict with the same keys.
+            A mapping with the same keys (``theta`` itself when no parameter is half precision).
         """
         dtypes = self._call_dtypes
         if not dtypes:
-            return dict(theta)
+            return theta
         out = {}
         for n, t in theta.items():
             dtype = dtypes.get(n[:-4] if n.endswith("_var") and n not in dtypes else n)
