@@ -136,6 +136,17 @@ def test_adapters_refuse_an_unfrozen_base():
         bw.wrap(model, "vi", params="adapters", num_data=24)
 
 
+def test_biases_that_peft_made_trainable_stay_point_estimates():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=16, num_labels=2)
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(cfg),
+                                peft.LoraConfig(r=4, target_modules=["query"], bias="lora_only", task_type="SEQ_CLS"))
+    bnn = bw.wrap(model, "vi", params="adapters", num_data=24)
+    assert bnn.bayesian_names == lora_names(model)
+    assert "base_model.model.bert.encoder.layer.0.attention.self.query.base_layer.bias" in bnn.point.keys()
+
+
 def test_adapters_a_needs_lora_a_factors():
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))

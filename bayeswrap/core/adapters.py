@@ -85,7 +85,8 @@ def select_adapters(model: nn.Module, which: str) -> list[str]:
             trainable parameters, with the accepted values of ``params``); for ``"adapters_A"``, if none of them is
             a LoRA A factor; if a parameter that is neither an adapter nor a peft ``modules_to_save`` copy is
             trainable (an unfrozen base, which the optimizer would update as a point estimate: peft's
-            ``get_peft_model`` freezes it).
+            ``get_peft_model`` freezes it); biases that peft itself made trainable (``LoraConfig(bias="all")`` or
+            ``"lora_only"``) are accepted and stay point estimates.
     """
     adapters = adapter_parameter_names(model)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -96,7 +97,10 @@ def select_adapters(model: nn.Module, which: str) -> list[str]:
                          f"parameters: {some}); wrap the model with peft.get_peft_model first, or choose params "
                          f"from: {PARAMS_ACCEPTED}")
     chosen = set(adapters)
-    base = [n for n in trainable if n not in chosen and f".{_MODULES_TO_SAVE}." not in f".{n}"]
+    configs = getattr(model, "peft_config", None)
+    peft_biases = isinstance(configs, dict) and any(getattr(c, "bias", "none") != "none" for c in configs.values())
+    base = [n for n in trainable if n not in chosen and f".{_MODULES_TO_SAVE}." not in f".{n}"
+            and not (peft_biases and n.rsplit(".", 1)[-1] == "bias")]
     if base:
         raise ValueError(f"params={which!r}: {len(base)} trainable parameters of the {type(model).__name__} are "
                          f"neither peft adapters nor modules_to_save (e.g. {base[:3]}): the base model is not "
