@@ -20,6 +20,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from bayeswrap.core.adapters import ADAPTER_SELECTORS, PARAMS_ACCEPTED, select_adapters
 from bayeswrap.core.batches import dict_call_style, map_tensors
 
 ParamSelector = Union[None, str, Sequence[str], Callable[[str, torch.Tensor], bool]]
@@ -102,9 +103,12 @@ def select_parameters(model: nn.Module, params: ParamSelector) -> list[str]:
         params: ``None`` for every trainable parameter; ``"last_layer"`` for the
             weight and bias of the classifier (:func:`find_last_layer`: timm's
             ``get_classifier()``, torchvision's and Hugging Face's head names, else the
-            last ``nn.Linear``); a glob pattern or a list of glob patterns over parameter
+            last ``nn.Linear``); ``"adapters"`` for the trainable tensors of a peft model's
+            adapters (LoRA's A and B; :func:`bayeswrap.core.adapters.select_adapters`), ``"adapters_A"``
+            for LoRA's A factors only (BLoB); a glob pattern or a list of glob patterns over parameter
             names (``fnmatch`` syntax, e.g. ``["fc.*"]`` or ``["blocks.*.mlp.*"]``); or a
-            callable ``(name, tensor) -> bool``.
+            callable ``(name, tensor) -> bool``. For a peft model, ``None`` selects its adapters and
+            its ``modules_to_save`` (a new head), never the frozen base.
 
     Returns:
         The selected names, in ``model.named_parameters()`` order.
@@ -112,7 +116,9 @@ def select_parameters(model: nn.Module, params: ParamSelector) -> list[str]:
     Raises:
         ValueError: if a pattern matches no trainable parameter (the message names the
             classifier's parameters, which ``"last_layer"`` selects), if nothing is
-            selected (an empty list selects nothing), or if ``params`` has an unsupported type.
+            selected (an empty list selects nothing), or if ``params`` has an unsupported type;
+            for ``"adapters"``/``"adapters_A"``, a model without peft adapters or with an unfrozen base
+            (:func:`bayeswrap.core.adapters.select_adapters`).
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
@@ -127,11 +133,12 @@ def select_parameters(model: nn.Module, params: ParamSelector) -> list[str]:
         return chosen
     if isinstance(params, str) and params == "last_layer":
         return last_layer_params(model, find_last_layer(model))
+    if isinstance(params, str) and params in ADAPTER_SELECTORS:
+        return select_adapters(model, params)
     if isinstance(params, str):
         params = [params]
     if not isinstance(params, Iterable):
-        raise ValueError(f"params={params!r} is not supported; accepted: None, a list of glob patterns "
-                         "over parameter names, or a callable (name, tensor) -> bool")
+        raise ValueError(f"params={params!r} is not supported; accepted: {PARAMS_ACCEPTED}")
     patterns = list(params)
     if not patterns:
         raise ValueError(f"params={params!r} is an empty list, which selects no parameter; accepted: None (every "

@@ -96,9 +96,10 @@ class BayesianModel(nn.Module, ABC):
         bias: ``"informative"`` (biases share the weights' prior) or
             ``"uninformative"`` (p(θ_b) ∝ 1: no prior/KL term for ``*.bias``).
             MC-dropout accepts more options, see :class:`~bayeswrap.MCDropout`.
-        params: which parameters are Bayesian: ``None`` (all trainable ones), a
-            list of glob patterns over parameter names, or a callable
-            ``(name, tensor) -> bool``.
+        params: which parameters are Bayesian: ``None`` (all trainable ones), ``"last_layer"``,
+            ``"adapters"`` (a peft model's adapter tensors, e.g. LoRA's A and B; ``"adapters_A"``: A only,
+            BLoB; :mod:`bayeswrap.core.adapters`), a list of glob patterns over parameter names, or a
+            callable ``(name, tensor) -> bool``.
         likelihood: ``"categorical"`` (cross-entropy on logits), ``"gaussian"``
             (regression, eq. 2) or ``"heteroscedastic"`` (the model outputs (B, 2D): means
             and log-variances; :class:`~bayeswrap.core.likelihoods.Heteroscedastic`), or the token
@@ -235,7 +236,11 @@ class BayesianModel(nn.Module, ABC):
         self.bayesian_names = select_parameters(model, params)
         all_params, buffers = split_state(model)
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        init = {n: all_params[n] for n in self.bayesian_names}
+        # the posterior state is fp32 for half-precision Bayesian parameters (a bf16 model's adapters); each value
+        # is cast back to the parameter's dtype where the model is called (at_call), so the base is never cast
+        self._call_dtypes = {n: all_params[n].dtype for n in self.bayesian_names
+                             if all_params[n].dtype in (torch.float16, torch.bfloat16)}
+        init = {n: all_params[n].float() if n in self._call_dtypes else all_params[n] for n in self.bayesian_names}
         chosen = set(self.bayesian_names)
         self.point = NamedTensors({n: t for n, t in all_params.items() if n in trainable and n not in chosen},
                                   trainable=True)
@@ -386,6 +391,28 @@ class BayesianModel(nn.Module, ABC):
         """
         return param_groups(self, head, lr_head)
 
+    def _at_call(self, theta: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """``theta`` in the dtypes of the model's own parameters, for a call of the model.
+
+        The posterior state of a half-precision (bf16/fp16) Bayesian parameter is kept in fp32 (means, stds,
+        curvature, stored draws); its values, and its variance ``name + "_var"`` under local reparameterisation,
+        are cast (differentiably) to the parameter's dtype here. Other values pass unchanged.
+
+        Args:
+            theta: ``{name: tensor}`` of Bayesian parameters.
+
+        Returns:
+            A mapping with the same keys (``theta`` itself when no parameter is half precision).
+        """
+        dtypes = self._call_dtypes
+        if not dtypes:
+            return theta
+        out = {}
+        for n, t in theta.items():
+            dtype = dtypes.get(n[:-4] if n.endswith("_var") and n not in dtypes else n)
+            out[n] = t if dtype is None else t.to(dtype)
+        return out
+
     def forward_with(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
         """Evaluates the model with Bayesian parameters ``theta`` (point estimates as they are).
 
@@ -400,7 +427,7 @@ class BayesianModel(nn.Module, ABC):
         Returns:
             Model outputs, e.g. logits of shape (B, K).
         """
-        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
+        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **self._at_call(theta)}
         net = self.model
         if self._lrt and any(n in self._lrt_var_names for n in theta):  # moments: sample pre-activations
             net = self._skeleton[1]
@@ -650,7 +677,7 @@ class BayesianModel(nn.Module, ABC):
             ValueError: for an ensemble, or a model that could not be deep-copied when it was wrapped.
         """
         self._check_ready()
-        values = {**self.point.as_dict(), **self.frozen.as_dict(), **self._deterministic_mean()}
+        values = {**self.point.as_dict(), **self.frozen.as_dict(), **self._at_call(self._deterministic_mean())}
         skeleton = self.model
         if not any(t.is_meta for t in [*skeleton.parameters(), *skeleton.buffers()]):
             raise ValueError("the wrapped model could not be deep-copied when it was wrapped, so bayeswrap has no "

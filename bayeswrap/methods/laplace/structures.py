@@ -416,6 +416,7 @@ class KronPosterior(_Structure):
         for layer in self.layers:
             tokens = seen[layer][0].shape[1:-1].numel()  # KFAC "expand": A averages over the shared positions
             a, d = _flat_rows(seen[layer][0], deltas[layer])
+            a, d = a.to(self.A[layer].dtype), d.to(self.G[layer].dtype)  # a bf16 layer's rows into the fp32 factors
             self.A[layer].addmm_(a.t(), a, alpha=1.0 / tokens)
             d = d.reshape(-1, d.shape[-1])
             self.G[layer].addmm_(d.t(), d)
@@ -489,7 +490,7 @@ class KronPosterior(_Structure):
         total = None
         for layer, (w, b) in self.layers.items():
             lg, qg, la, qa = self.decomposed[layer]
-            a, d = seen[layer][0], deltas[layer]
+            a, d = seen[layer][0].to(qa.dtype), deltas[layer].to(qg.dtype)  # a bf16 layer's rows, fp32 factors
             inv = 1.0 / (torch.outer(lg, la) + delta_of(delta, w))
             if a.dim() == 2:  # J_k = δ_k aᵀ: the rotation separates
                 dt, at = (d @ qg).square(), (a @ qa).square()  # (K, B, out), (B, in)
