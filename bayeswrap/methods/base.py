@@ -391,8 +391,9 @@ class BayesianModel(nn.Module, ABC):
         """
         return param_groups(self, head, lr_head)
 
-    def _at_call(self, theta: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
-        """``theta`` in the dtypes of the model's own parameters, for a call of the model.
+    def _call_tensors(self, theta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every parameter tensor of a call of the model: point estimates, frozen ones and ``theta``, the latter in
+        the dtypes of the model's own parameters.
 
         The posterior state of a half-precision (bf16/fp16) Bayesian parameter is kept in fp32 (means, stds,
         curvature, stored draws); its values, and its variance ``name + "_var"`` under local reparameterisation,
@@ -402,16 +403,16 @@ class BayesianModel(nn.Module, ABC):
             theta: ``{name: tensor}`` of Bayesian parameters.
 
         Returns:
-            A mapping with the same keys (``theta`` itself when no parameter is half precision).
+            ``{name: tensor}`` for ``torch.func.functional_call``.
         """
         dtypes = self._call_dtypes
-        if not dtypes:
-            return theta
-        out = {}
+        if not dtypes:  # every Bayesian parameter in fp32 or wider: theta as it is
+            return {**self.point.as_dict(), **self.frozen.as_dict(), **theta}
+        tensors = {**self.point.as_dict(), **self.frozen.as_dict()}
         for n, t in theta.items():
             dtype = dtypes.get(n[:-4] if n.endswith("_var") and n not in dtypes else n)
-            out[n] = t if dtype is None else t.to(dtype)
-        return out
+            tensors[n] = t if dtype is None else t.to(dtype)
+        return tensors
 
     def forward_with(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
         """Evaluates the model with Bayesian parameters ``theta`` (point estimates as they are).
@@ -427,7 +428,7 @@ class BayesianModel(nn.Module, ABC):
         Returns:
             Model outputs, e.g. logits of shape (B, K).
         """
-        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **self._at_call(theta)}
+        tensors = self._call_tensors(theta)
         net = self.model
         if self._lrt and any(n in self._lrt_var_names for n in theta):  # moments: sample pre-activations
             net = self._skeleton[1]
@@ -677,7 +678,7 @@ class BayesianModel(nn.Module, ABC):
             ValueError: for an ensemble, or a model that could not be deep-copied when it was wrapped.
         """
         self._check_ready()
-        values = {**self.point.as_dict(), **self.frozen.as_dict(), **self._at_call(self._deterministic_mean())}
+        values = self._call_tensors(self._deterministic_mean())
         skeleton = self.model
         if not any(t.is_meta for t in [*skeleton.parameters(), *skeleton.buffers()]):
             raise ValueError("the wrapped model could not be deep-copied when it was wrapped, so bayeswrap has no "

@@ -591,7 +591,7 @@ class SWAG(MAP):
             buffers[prefix + "running_var"].fill_(1.0)
             if prefix + "num_batches_tracked" in buffers:
                 buffers[prefix + "num_batches_tracked"].zero_()
-        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **self._at_call(theta)}
+        tensors = self._call_tensors(theta)
         device = next(iter(theta.values())).device
         momenta, was_training = [m.momentum for m in modules], self.model.training
         seen = 0
@@ -646,7 +646,7 @@ class SWAG(MAP):
     def _trace_bn(self, x) -> list[str]:
         """:attr:`bn_fed`, traced on input ``x`` the first time (see :mod:`bayeswrap.methods.bn_dependence`)."""
         if self.bn_fed is None:
-            tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **self._at_call(self.theta.as_dict())}
+            tensors = self._call_tensors(self.theta.as_dict())
             self.bn_fed = batchnorm_fed_by(self.model, tensors, self.model_buffers.as_dict(),
                                            without_key(x, self.label_key), self.bayesian_names, self._bn_layers,
                                            self.output_key, self.dict_inputs)
@@ -654,7 +654,7 @@ class SWAG(MAP):
 
     def _outputs_with(self, theta: Mapping[str, torch.Tensor], x, buffers: Mapping[str, torch.Tensor]):
         """Outputs under Bayesian parameters ``theta`` with ``buffers`` (recomputed BatchNorm statistics)."""
-        tensors = {**self.point.as_dict(), **self.frozen.as_dict(), **self._at_call(theta)}
+        tensors = self._call_tensors(theta)
         return call(self.model, tensors, buffers, without_key(x, self.label_key), self.output_key, self.dict_inputs)
 
     def _forward_bn(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
