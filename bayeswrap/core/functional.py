@@ -39,16 +39,33 @@ class NamedTensors(nn.Module):
     ``nn.Parameter`` (trainable) or as a buffer, so ``.to()``, ``state_dict()``
     and optimizers see them.
 
+    With ``referenced=True`` (buffers only) the tensors are not copied: each buffer is the given tensor itself
+    (detached, the same storage), so a frozen base that bayeswrap only reads costs no memory. Such a buffer is never
+    written to: :meth:`__setitem__` and ``load_state_dict`` give it a new tensor of the value instead (the reference
+    is dropped), and a checkpoint whose value equals the referenced one leaves the reference in place.
+
     Args:
-        tensors: mapping from parameter name to tensor. The tensors are cloned.
+        tensors: mapping from parameter name to tensor. The tensors are cloned unless ``referenced``.
         trainable: register as ``nn.Parameter`` (True) or as buffers (False).
+        referenced: register the tensors themselves, not copies (buffers only; an inference-mode tensor is
+            still copied, since autograd cannot save it for backward).
+
+    Raises:
+        ValueError: for ``referenced=True`` with ``trainable=True``.
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], trainable: bool):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], trainable: bool, referenced: bool = False):
         super().__init__()
+        if referenced and trainable:
+            raise ValueError("NamedTensors(referenced=True) holds buffers only; accepted: trainable=False")
         self._names = list(tensors)
+        self._referenced: set[str] = set()
         for name, t in tensors.items():
-            t = t.detach().clone()
+            if referenced and not t.is_inference():
+                t = t.detach()
+                self._referenced.add(_mangle(name))
+            else:
+                t = t.detach().clone()
             if trainable:
                 self.register_parameter(_mangle(name), nn.Parameter(t))
             else:
@@ -60,8 +77,62 @@ class NamedTensors(nn.Module):
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         # an in-place copy of the tensor itself (not of .data), so its version counter moves and a cache keyed
         # by it (VI's posterior_std) sees the change
+        key = _mangle(name)
         with torch.no_grad():
-            getattr(self, _mangle(name)).copy_(value)
+            if key in self._referenced:  # never written to: the referenced tensor belongs to the wrapped model
+                current = self._buffers[key]
+                self._buffers[key] = value.detach().to(device=current.device, dtype=current.dtype, copy=True)
+                self._referenced.discard(key)
+            else:
+                getattr(self, key).copy_(value)
+
+    def is_referenced(self, name: str) -> bool:
+        """Whether the tensor ``name`` is the wrapped model's own (referenced, not copied)."""
+        return _mangle(name) in self._referenced
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """``nn.Module``'s loading, except that a referenced tensor is never written to: a checkpoint value equal to
+        it keeps the reference, another value replaces it by a copy of that value.
+        """
+        held = {k: self._buffers[k] for k in self._referenced if k in self._buffers}
+        if not held:
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        order = list(self._buffers)
+        for k in held:
+            del self._buffers[k]
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        finally:
+            loaded = dict(self._buffers)
+            self._buffers.clear()
+            self._buffers.update({k: held[k] if k in held else loaded[k] for k in order})
+        assign = bool(local_metadata.get("assign_to_params_buffers", False))
+        for k, current in held.items():
+            key = prefix + k
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+            if key not in state_dict:
+                if strict:
+                    missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor) or value.shape != current.shape:
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, "
+                                  f"the shape in current model is {tuple(current.shape)}.")
+                continue
+            value = value.detach()
+            if (value.device, value.dtype, value.data_ptr(), value.stride()) == (
+                    current.device, current.dtype, current.data_ptr(), current.stride()):
+                continue  # the referenced tensor itself
+            moved = value.to(device=current.device, dtype=current.dtype)
+            if torch.equal(moved, current):
+                continue
+            self._buffers[k] = value if assign else (moved.clone() if moved is value else moved)
+            self._referenced.discard(k)
 
     def __contains__(self, name: object) -> bool:
         return name in self._names

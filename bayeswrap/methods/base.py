@@ -35,7 +35,6 @@ from bayeswrap.core.functional import (
     call,
     check_finite_state,
     select_parameters,
-    split_state,
 )
 from bayeswrap.core.layers import LRTLayer
 from bayeswrap.core.likelihoods import make_likelihood
@@ -234,17 +233,23 @@ class BayesianModel(nn.Module, ABC):
         self.likelihood.to(dtypes[0] if dtypes else torch.get_default_dtype())  # a learned log σ in the model's dtype
 
         self.bayesian_names = select_parameters(model, params)
-        all_params, buffers = split_state(model)
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        named = dict(model.named_parameters())
+        trainable = {n for n, p in named.items() if p.requires_grad}
+        chosen = set(self.bayesian_names)
+        # the Bayesian tensors are copied here (the initial posterior), point estimates and buffers by NamedTensors
+        # below; the frozen ones (requires_grad=False: a peft model's base) are referenced, never copied, cast or
+        # written to (core.functional.NamedTensors(referenced=True))
+        all_params = {n: p.detach().clone() if n in chosen else p.detach() for n, p in named.items()}
+        buffers = {n: b.detach() for n, b in model.named_buffers()}
         # the posterior state is fp32 for half-precision Bayesian parameters (a bf16 model's adapters); each value
         # is cast back to the parameter's dtype where the model is called (at_call), so the base is never cast
         self._call_dtypes = {n: all_params[n].dtype for n in self.bayesian_names
                              if all_params[n].dtype in (torch.float16, torch.bfloat16)}
         init = {n: all_params[n].float() if n in self._call_dtypes else all_params[n] for n in self.bayesian_names}
-        chosen = set(self.bayesian_names)
         self.point = NamedTensors({n: t for n, t in all_params.items() if n in trainable and n not in chosen},
                                   trainable=True)
-        self.frozen = NamedTensors({n: t for n, t in all_params.items() if n not in trainable}, trainable=False)
+        self.frozen = NamedTensors({n: t for n, t in all_params.items() if n not in trainable}, trainable=False,
+                                   referenced=True)
         self.model_buffers = NamedTensors(buffers, trainable=False)
         self.prior = GaussianPrior(init, self.prior_std, prior_mean, bias=self._prior_bias(bias))
         self._skeleton = [storage_free_copy(model)]

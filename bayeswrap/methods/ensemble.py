@@ -1,7 +1,13 @@
 """Ensembles of any method: deep ensembles, MultiSWAG, and mixtures of VI, Laplace, SGLD, ... members.
 
 An :class:`Ensemble` holds M complete Bayesian models of one registered method
-(the *members*), each built from its own copy of the wrapped model:
+(the *members*), each built from its own copy of the wrapped model's trainable tensors and buffers:
+
+* **One frozen base.** The frozen (``requires_grad=False``) parameters, e.g. a peft model's base, are not copied:
+  every member references the wrapped model's own tensors (never writing to them), they are passed to the vmapped
+  loss once, unbatched, and ``.to(device)`` moves them once for all members. Only the trainable tensors (LoRA's
+  adapters, a head) and the buffers are per member, so M members of a LoRA model cost about the base plus M times
+  the adapters and their posterior state.
 
 * **Initialisation.** Member m re-draws the parameters chosen by ``reinit`` from
   their initialisers under the seed ``init_seed + m`` (:mod:`bayeswrap.methods.reinit`);
@@ -201,7 +207,7 @@ class Ensemble(BayesianModel):
         members = []
         self.reinitialised: list[list[str]] = []  # the parameter names each member re-drew
         for m in range(self.num_members):
-            net = copy.deepcopy(model)
+            net = _member_copy(model)
             chosen = reinit_parameters(net, self.reinit, self.bayesian_names)
             done = reinitialise(net, chosen, self.init_seed + m)
             if chosen and not done and self.reinit != "bayesian":
@@ -212,7 +218,8 @@ class Ensemble(BayesianModel):
             members.append(METHODS[self.member](net, **common, **self.member_kwargs))
             del net
         self.members = nn.ModuleList(members)
-        # the members own every trainable tensor: the ensemble keeps no point estimates or frozen copies of its own
+        # the members own every trainable tensor and share the frozen ones: the ensemble keeps no point estimates
+        # or frozen tensors of its own
         self.point = NamedTensors({}, trainable=True)
         self.frozen = NamedTensors({}, trainable=False)
         self.model_buffers = NamedTensors({}, trainable=False)
@@ -315,17 +322,18 @@ class Ensemble(BayesianModel):
 
         The parameters are stacked at every call (differentiably: each member's gradient flows back to its own
         tensors). Buffers are stacked once and reused while none of them changed (same tensors, same version
-        counters); BatchNorm statistics updated under vmap are copied back to their members.
+        counters); BatchNorm statistics updated under vmap are copied back to their members. Tensors that every
+        member shares (the frozen base) are passed once, not stacked.
         """
-        params, buffers, _ = self._member_state()
+        params, buffers, shared, _ = self._member_state()
         stacked = {f"member.{n}": torch.stack(ts) for n, ts in params.items()}
         key = tuple((id(t), t._version) for ts in buffers.values() for t in ts)
         if self._stacked_buffers is None or self._stacked_buffers[0] != key:
             self._stacked_buffers = (key, {f"member.{n}": torch.stack(ts) for n, ts in buffers.items()})
         stacked_buffers = self._stacked_buffers[1]
-        template = self._state_cache[2]
-        out = vmap(lambda state: functional_call(template, state, (x,)), randomness="different")(
-            {**stacked, **stacked_buffers})
+        template = self._state_cache[3]
+        out = vmap(lambda state, common: functional_call(template, {**state, **common}, (x,)), in_dims=(0, None),
+                   randomness="different")({**stacked, **stacked_buffers}, shared)
         if self.training:
             with torch.no_grad():
                 changed = False
@@ -340,8 +348,9 @@ class Ensemble(BayesianModel):
         return out
 
     def _member_state(self):
-        """``({name: [tensor of each member]}, same for buffers, the functional template)`` of the state the
-        members' loss reads (cached; the template is kept out of the module tree).
+        """``({name: [tensor of each member]}, same for buffers, {"member." + name: tensor} of the buffers every
+        member shares (the frozen base), the functional template)`` of the state the members' loss reads (cached,
+        and dropped by ``.to()`` and ``load_state_dict``; the template is kept out of the module tree).
         """
         if self._state_cache is None:
             skip = tuple(self.members[0].loss_free_state)
@@ -350,13 +359,36 @@ class Ensemble(BayesianModel):
                 per = [{n: t for n, t in named(member) if not n.startswith(skip)} for member in self.members]
                 return {n: [p[n] for p in per] for n in per[0]}
 
-            self._state_cache = (gather(lambda m: m.named_parameters()), gather(lambda m: m.named_buffers()),
-                                 _MemberOutputs(self.members[0]))
+            buffers = gather(lambda m: m.named_buffers())
+            common = ({n for n, ts in buffers.items() if all(_view(t) == _view(ts[0]) for t in ts)}
+                      if len(self.members) > 1 else ())
+            self._state_cache = (gather(lambda m: m.named_parameters()),
+                                 {n: ts for n, ts in buffers.items() if n not in common},
+                                 {f"member.{n}": buffers[n][0] for n in common}, _MemberOutputs(self.members[0]))
         return self._state_cache
 
-    def _apply(self, fn, *args, **kwargs):  # .to(), .double(), ...: buffers may be new tensors
+    def _apply(self, fn, *args, **kwargs):
+        """``nn.Module._apply`` (``.to()``, ``.double()``, ...), converting a frozen tensor that the members share
+        once, so that they still share one converted tensor; the cached view of the members' state is dropped.
+        """
         self._state_cache = self._stacked_buffers = None
-        return super()._apply(fn, *args, **kwargs)
+        shared = {_view(t) for member in getattr(self, "members", ()) for t in member.frozen.values()}
+        done: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def once(t):
+            key = _view(t)
+            if key not in shared:
+                return fn(t)
+            if key not in done:
+                done[key] = (t, fn(t))  # the source is kept alive, so its memory is not reused during the walk
+            return done[key][1]
+
+        return super()._apply(once, *args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        # a checkpoint may replace the members' referenced frozen tensors (NamedTensors): drop the cached view
+        self._state_cache = self._stacked_buffers = None
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def _loss_output_members(self, outs: torch.Tensor, kls: torch.Tensor, y) -> LossOutput:
         """:meth:`BayesianModel.loss` of every member at once from (M, S_train, B, ·) outputs, summed over members.
@@ -503,3 +535,18 @@ class MultiSWAG(Ensemble):
         implied = SWAG.run_options(dataclasses.replace(run, options=given))
         return {**out, "member_kwargs": {**given, **implied}} if implied else out
 
+
+def _member_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` that shares its frozen (``requires_grad=False``) parameters: every member's trainable
+    tensors and buffers are its own, the frozen base is the wrapped model's (and is never written to,
+    :func:`~bayeswrap.methods.reinit.reinitialise`).
+    """
+    memo = {id(p): p for p in model.parameters() if not p.requires_grad}
+    return copy.deepcopy(model, memo)
+
+
+def _view(t: torch.Tensor) -> tuple:
+    """What makes two tensor objects the same tensor: one memory, read the same way (members' frozen tensors are
+    separate ``detach()`` views of the wrapped model's parameters).
+    """
+    return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())

@@ -11,7 +11,8 @@ initialiser under the member's seed; every other tensor keeps the wrapped model'
 * a glob pattern, or a list of them, over parameter names or the names of the modules that hold them, as for
   ``params``: ``"fc.*"``, ``["fc"]``, ``"*lora_A*"``.
 
-Frozen parameters (``requires_grad=False``) are never re-initialised. A parameter is re-drawn by its
+Frozen parameters (``requires_grad=False``) are never re-initialised, nor written to (an initialiser that
+would reset them writes into a stand-in copy, which is dropped). A parameter is re-drawn by its
 *initialiser*: for a LoRA adapter of peft, the layer's own ``reset_lora_parameters(adapter, init)`` (A
 kaiming-uniform with a = √5, or Gaussian for ``init_lora_weights="gaussian"``; B zero), so that the adapted model
 starts at the pretrained function and members differ by their A; otherwise ``reset_parameters()`` of the nearest
@@ -156,11 +157,22 @@ def reinitialise(net: nn.Module, names: list[str], seed: int) -> list[str]:
         for key in sorted(jobs, key=lambda k: (order[id(jobs[k][0])], str(k))):
             mod, call, mine = jobs[key]
             own = {id(t) for t in mod.parameters(recurse=False)}
-            keep_params = [(t, t.clone()) for t in mod.parameters() if names_of.get(id(t)) not in chosen]
+            keep_params = [(t, t.clone()) for t in mod.parameters()
+                           if names_of.get(id(t)) not in chosen and t.requires_grad]
             fresh_buffers = own and any(names_of.get(i) in chosen for i in own)
             keep_buffers = [(b, b.clone()) for b in mod.buffers()
                             if not (fresh_buffers and any(b is o for o in mod.buffers(recurse=False)))]
-            call()
+            # frozen parameters may be the wrapped model's own (an ensemble member shares its frozen base): the
+            # initialiser writes into a stand-in copy (drawing the same random numbers), never into them
+            frozen = [(sub, leaf, t) for sub in mod.modules() for leaf, t in sub._parameters.items()
+                      if t is not None and not t.requires_grad]
+            for sub, leaf, t in frozen:
+                sub._parameters[leaf] = nn.Parameter(t.clone(), requires_grad=False)
+            try:
+                call()
+            finally:
+                for sub, leaf, t in frozen:
+                    sub._parameters[leaf] = t
             for t, saved in keep_params + keep_buffers:
                 t.copy_(saved)
             done |= mine
