@@ -10,8 +10,9 @@ model in a *tuner layer* (peft's ``BaseTunerLayer``), which names the attributes
 * peft's ``modules_to_save`` copies (a new classifier head of a ``task_type="SEQ_CLS"`` model) are not adapters:
   they are trained as point estimates beside the Bayesian adapters (``params=None`` makes them Bayesian too);
 * everything else is the *base*, which peft freezes (``requires_grad=False``); bayeswrap keeps it as a frozen
-  buffer in the model's own dtype (bf16/fp16 stay as they are; like every tensor of the wrapped model it is copied
-  once when the model is wrapped), so no optimizer built from ``bnn.parameters()`` can update it.
+  buffer in the model's own dtype (bf16/fp16 stay as they are), so no optimizer built from ``bnn.parameters()`` can
+  update it. It is not copied either: the wrapped model's frozen tensors are referenced (and never written to), and
+  the members of an ensemble or MultiSWAG share them, so M members cost the base once plus M times the adapters.
 
 The posterior state of the adapters (means, stds, curvature, stored draws) is fp32 even when they are bf16/fp16
 (peft's ``autocast_adapter_dtype=False``); their values are cast to the adapters' dtype where the model is called

@@ -1,7 +1,9 @@
 """Functional view of an ``nn.Module``: named tensors, parameter selection and calls.
 
 bayeswrap never mutates the user's model. Instead it keeps its own copies of the
-parameters and buffers and evaluates the model with
+trainable parameters and buffers, references (never copies, casts or writes) the frozen
+ones (``requires_grad=False``, e.g. a peft model's base: :class:`NamedTensors` with
+``referenced=True``), and evaluates the model with
 :func:`torch.func.functional_call`, so any tensor (a posterior sample, a
 posterior mean, a batch of samples under ``vmap``) can be plugged in.
 """

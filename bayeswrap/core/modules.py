@@ -2,7 +2,9 @@
 
 bayeswrap never writes to the wrapped model. It keeps a deep copy of its structure whose parameters and buffers
 live on the ``meta`` device (:func:`storage_free_copy`, no memory), calls it with
-``torch.func.functional_call`` and the posterior's tensors, and materialises a plain module again only on request
+``torch.func.functional_call`` and the posterior's tensors (with the wrapped model's own frozen tensors, which are
+referenced rather than copied: changing them in place changes the wrapped Bayesian model too), and materialises a
+plain module again only on request
 (:func:`materialised_copy`, e.g. ``BayesianModel.to_deterministic``). A ``torch.compile`` wrapper is unwrapped
 first (:func:`unwrap_compiled`), and a model whose weights cannot become a posterior is refused at wrap time
 (:func:`check_model_tensors`).

@@ -109,9 +109,9 @@ def load(path: str | os.PathLike, model: nn.Module, *,
     """Rebuilds a model written by :func:`save` on ``model``'s architecture.
 
     Calls ``bw.wrap(model, method, **saved arguments)`` and loads the saved state into the result. ``model``
-    itself is not modified (as with ``wrap``, the returned model holds its own tensors); its weights do not
-    matter, only its parameter and buffer names, shapes, dtypes and ``requires_grad`` flags, which must equal
-    the saved model's.
+    itself is not modified (as with ``wrap``, the returned model holds its own copies of the trainable tensors, and
+    references a frozen tensor of ``model`` only where it equals the saved value); its weights do not matter, only
+    its parameter and buffer names, shapes, dtypes and ``requires_grad`` flags, which must equal the saved model's.
 
     Args:
         path: a file written by :func:`save`.
