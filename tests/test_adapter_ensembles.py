@@ -209,3 +209,22 @@ def test_multiswag_on_adapters_keeps_moments_deviations_and_draws_over_the_adapt
     # ensemble's own prior mean of the adapters
     assert storages(model, ens) - storages(model) == M * (storages(model, single) - storages(model)) + own(ens)
     assert versions(model) == before
+
+
+def test_an_initialiser_that_would_reset_a_frozen_weight_writes_into_a_stand_in():
+    """reinit='all' with a frozen weight beside a trainable bias: Linear.reset_parameters() draws both; the member's
+    bias equals that draw under init_seed + m (the same random numbers as on a full copy), the weight stays shared.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].weight.requires_grad_(False)
+    before = versions(model)
+    ens = bw.wrap(model, "ensemble", num_data=N, num_members=2, reinit="all", init_seed=5)
+    for m, member in enumerate(ens.members):
+        ref = copy.deepcopy(model)
+        torch.manual_seed(5 + m)
+        ref[0].reset_parameters()
+        ref[2].reset_parameters()
+        assert torch.equal(member.theta["0.bias"], ref[0].bias) and torch.equal(member.theta["2.weight"], ref[2].weight)
+        assert member.frozen["0.weight"].data_ptr() == model[0].weight.data_ptr()
+    assert versions(model) == before

@@ -91,6 +91,8 @@ from bayeswrap.methods.swag import SWAG
 PARALLEL = ("auto", "vmap", "sequential")
 #: keys of a member's state that the wrapped model's forward may update in place (BatchNorm statistics)
 _MUTABLE_PREFIX = "model_buffers."
+#: keys of a member's frozen tensors, which the members share (one frozen base)
+_FROZEN_PREFIX = "frozen."
 
 
 class _MemberOutputs(nn.Module):
@@ -360,8 +362,8 @@ class Ensemble(BayesianModel):
                 return {n: [p[n] for p in per] for n in per[0]}
 
             buffers = gather(lambda m: m.named_buffers())
-            common = ({n for n, ts in buffers.items() if all(_view(t) == _view(ts[0]) for t in ts)}
-                      if len(self.members) > 1 else ())
+            common = {n for n, ts in buffers.items()  # the frozen base (never updated in place, unlike BatchNorm's)
+                      if n.startswith(_FROZEN_PREFIX) and all(_view(t) == _view(ts[0]) for t in ts)}
             self._state_cache = (gather(lambda m: m.named_parameters()),
                                  {n: ts for n, ts in buffers.items() if n not in common},
                                  {f"member.{n}": buffers[n][0] for n in common}, _MemberOutputs(self.members[0]))
