@@ -228,3 +228,21 @@ def test_an_initialiser_that_would_reset_a_frozen_weight_writes_into_a_stand_in(
         assert torch.equal(member.theta["0.bias"], ref[0].bias) and torch.equal(member.theta["2.weight"], ref[2].weight)
         assert member.frozen["0.weight"].data_ptr() == model[0].weight.data_ptr()
     assert versions(model) == before
+
+
+def test_an_ensemble_loading_another_base_uses_it_and_shares_it_again():
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(9))
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    model, other = lora_model(seed=0), lora_model(seed=1)
+    before = versions(model)
+    ens = bw.wrap(model, "ensemble", num_data=N, params="adapters", num_members=3, init_seed=7)
+    source = bw.wrap(other, "ensemble", num_data=N, params="adapters", num_members=3, init_seed=8)
+    ens.loss(x, y)  # the vmapped loss caches its view of the members' state
+    ens.load_state_dict(source.state_dict())
+    torch.testing.assert_close(ens.loss(x, y).loss, source.loss(x, y).loss, rtol=0, atol=0)
+    torch.testing.assert_close(ens.predict(x, 3), source.predict(x, 3), rtol=0, atol=0)
+    for n, p in frozen(other).items():
+        ptrs = {member.frozen[n].data_ptr() for member in ens.members}
+        assert len(ptrs) == 1 and p.data_ptr() not in ptrs and model.get_parameter(n).data_ptr() not in ptrs
+        assert torch.equal(ens.members[2].frozen[n], p)
+    assert versions(model) == before

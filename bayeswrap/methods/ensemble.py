@@ -220,6 +220,7 @@ class Ensemble(BayesianModel):
             members.append(METHODS[self.member](net, **common, **self.member_kwargs))
             del net
         self.members = nn.ModuleList(members)
+        self.register_load_state_dict_post_hook(_share_frozen)
         # the members own every trainable tensor and share the frozen ones: the ensemble keeps no point estimates
         # or frozen tensors of its own
         self.point = NamedTensors({}, trainable=True)
@@ -545,6 +546,20 @@ def _member_copy(model: nn.Module) -> nn.Module:
     """
     memo = {id(p): p for p in model.parameters() if not p.requires_grad}
     return copy.deepcopy(model, memo)
+
+
+def _share_frozen(ens: Ensemble, incompatible_keys) -> None:
+    """After ``load_state_dict``: members whose frozen tensors a checkpoint replaced by equal values (a checkpoint
+    of another base, :class:`~bayeswrap.core.functional.NamedTensors`) share one of them again.
+    """
+    first = ens.members[0].frozen
+    for key, tensor in list(first._buffers.items()):
+        for member in ens.members[1:]:
+            other = member.frozen._buffers.get(key)
+            if other is not None and _view(other) != _view(tensor) and torch.equal(other, tensor):
+                member.frozen._buffers[key] = tensor
+                member.frozen._referenced.discard(key)
+    ens._state_cache = ens._stacked_buffers = None
 
 
 def _view(t: torch.Tensor) -> tuple:
