@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import bayeswrap as bw
+from bayeswrap.core.functional import NamedTensors
 from bayeswrap.methods.reinit import reinit_parameters, reinitialise
 
 peft = pytest.importorskip("peft")
@@ -246,3 +247,18 @@ def test_an_ensemble_loading_another_base_uses_it_and_shares_it_again():
         assert len(ptrs) == 1 and p.data_ptr() not in ptrs and model.get_parameter(n).data_ptr() not in ptrs
         assert torch.equal(ens.members[2].frozen[n], p)
     assert versions(model) == before
+
+
+def test_referenced_named_tensors_are_never_written_to():
+    source = torch.arange(6.0).reshape(2, 3)
+    held = NamedTensors({"a.w": source}, trainable=False, referenced=True)
+    assert held["a.w"].data_ptr() == source.data_ptr() and held.is_referenced("a.w")
+    held["a.w"] = torch.ones(2, 3)  # a new tensor of the value, not a write into the source
+    assert torch.equal(source, torch.arange(6.0).reshape(2, 3)) and torch.equal(held["a.w"], torch.ones(2, 3))
+    assert not held.is_referenced("a.w") and held["a.w"].data_ptr() != source.data_ptr()
+    with torch.inference_mode():
+        frozen_in_inference = torch.ones(3)
+    copied = NamedTensors({"b": frozen_in_inference}, trainable=False, referenced=True)
+    assert not copied.is_referenced("b") and not copied["b"].is_inference()
+    with pytest.raises(ValueError, match="trainable=False"):
+        NamedTensors({"c": source}, trainable=True, referenced=True)
