@@ -8,7 +8,6 @@ An :class:`Ensemble` holds M complete Bayesian models of one registered method
   loss once, unbatched, and ``.to(device)`` moves them once for all members. Only the trainable tensors (LoRA's
   adapters, a head) and the buffers are per member, so M members of a LoRA model cost about the base plus M times
   the adapters and their posterior state.
-
 * **Initialisation.** Member m re-draws the parameters chosen by ``reinit`` from
   their initialisers under the seed ``init_seed + m`` (:mod:`bayeswrap.methods.reinit`);
   every other weight keeps the wrapped model's value. The default ``reinit="bayesian"``
@@ -375,13 +374,13 @@ class Ensemble(BayesianModel):
         once, so that they still share one converted tensor; the cached view of the members' state is dropped.
         """
         self._state_cache = self._stacked_buffers = None
-        shared = {_view(t) for member in getattr(self, "members", ()) for t in member.frozen.values()}
+        frozen = {id(t) for member in getattr(self, "members", ()) for t in member.frozen.values()}
         done: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def once(t):
-            key = _view(t)
-            if key not in shared:
+            if id(t) not in frozen:
                 return fn(t)
+            key = _view(t)
             if key not in done:
                 done[key] = (t, fn(t))  # the source is kept alive, so its memory is not reused during the walk
             return done[key][1]
