@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import math
 import time
@@ -16,7 +15,7 @@ from tqdm import tqdm
 from bayeswrap.core import distributed
 from bayeswrap.core.batches import NonFiniteInputError, batch_size, check_reiterable, loader_pair, tensor_leaves
 from bayeswrap.core.checks import check_float, check_int
-from bayeswrap.core.functional import nonfinite_names
+from bayeswrap.core.functional import nonfinite_names, state_snapshot
 from bayeswrap.core.modules import unwrap_compiled
 from bayeswrap.core.schedules import check_factor
 from bayeswrap.methods.base import BayesianModel
@@ -303,7 +302,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                 if early_stopping_patience is not None:
                     if scores["nll"] < best_nll:
                         best_nll, bad_epochs = scores["nll"], 0
-                        best_state = copy.deepcopy(bnn.state_dict())
+                        best_state = state_snapshot(bnn)  # the frozen base by reference, never copied
                     else:
                         bad_epochs += 1
             history.append(record)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import bayeswrap as bw
-from bayeswrap.core.functional import NamedTensors
+from bayeswrap.core.functional import NamedTensors, state_snapshot
 from bayeswrap.methods.reinit import reinit_parameters, reinitialise
 
 peft = pytest.importorskip("peft")
@@ -262,3 +262,21 @@ def test_referenced_named_tensors_are_never_written_to():
     assert not copied.is_referenced("b") and not copied["b"].is_inference()
     with pytest.raises(ValueError, match="trainable=False"):
         NamedTensors({"c": source}, trainable=True, referenced=True)
+
+
+def test_early_stopping_snapshots_keep_the_frozen_base_by_reference():
+    model = lora_model()
+    before = versions(model)
+    bnn = bw.wrap(model, "map", num_data=N, params="adapters")
+    snap = state_snapshot(bnn)
+    assert list(snap) == list(bnn.state_dict())
+    for key, value in snap.items():
+        if key.startswith("frozen."):
+            assert value.data_ptr() == bnn.state_dict()[key].data_ptr()
+        elif isinstance(value, torch.Tensor):
+            assert value.data_ptr() != bnn.state_dict()[key].data_ptr() and torch.equal(value, bnn.state_dict()[key])
+    history = bw.fit(bnn, batches(), epochs=3, optimizer=torch.optim.SGD(bnn.parameters(), lr=0.5),
+                     val_loader=batches(), early_stopping_patience=3, progress=False)
+    assert len(history) == 3
+    assert all(bnn.frozen[n].data_ptr() == p.data_ptr() for n, p in frozen(model).items())
+    assert versions(model) == before

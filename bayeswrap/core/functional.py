@@ -10,6 +10,7 @@ posterior mean, a batch of samples under ``vmap``) can be plugged in.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import functools
 import warnings
@@ -157,6 +158,25 @@ class NamedTensors(nn.Module):
     def as_dict(self) -> dict[str, torch.Tensor]:
         """Returns ``{name: tensor}`` (the live tensors, not copies)."""
         return {n: self[n] for n in self._names}
+
+
+def state_snapshot(module: nn.Module) -> dict:
+    """A copy of ``module.state_dict()`` that keeps the referenced frozen tensors (:class:`NamedTensors` with
+    ``referenced=True``) by reference: a snapshot to restore later (early stopping's best epoch) costs no copy of a
+    frozen base, which bayeswrap never writes to.
+
+    Args:
+        module: any ``nn.Module`` (a ``BayesianModel``).
+
+    Returns:
+        ``{key: value}`` in ``state_dict()`` order; every other value deep-copied (storage shared between values
+        stays shared).
+    """
+    state = module.state_dict()
+    kept = {f"{name}.{k}" if name else k for name, mod in module.named_modules() if isinstance(mod, NamedTensors)
+            for k in mod._referenced}
+    copied = copy.deepcopy({k: v for k, v in state.items() if k not in kept})
+    return {k: state[k] if k in kept else copied[k] for k in state}
 
 
 def is_bias(name: str) -> bool:
