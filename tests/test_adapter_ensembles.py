@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import bayeswrap as bw
+import bayeswrap.core.modules as bw_modules
 from bayeswrap.core.functional import NamedTensors, state_snapshot
 from bayeswrap.methods.reinit import reinit_parameters, reinitialise
 
@@ -280,3 +281,25 @@ def test_early_stopping_snapshots_keep_the_frozen_base_by_reference():
     assert len(history) == 3
     assert all(bnn.frozen[n].data_ptr() == p.data_ptr() for n, p in frozen(model).items())
     assert versions(model) == before
+
+
+def test_the_shared_base_is_checked_once_and_still_refused_when_not_finite(monkeypatch):
+    model = lora_model()
+    read = []
+    original = bw_modules.nonfinite_names
+
+    def spy(named, **options):
+        named = list(named)
+        read.extend(n for n, _ in named)
+        return original(named, **options)
+
+    monkeypatch.setattr(bw_modules, "nonfinite_names", spy)
+    bw.wrap(model, "ensemble", num_data=N, params="adapters", num_members=3, init_seed=1)
+    base = [n for n in frozen(model)]
+    assert all(read.count(n) == 1 for n in base)  # the ensemble's own check, not one per member
+    adapters = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert all(read.count(n) == 4 for n in adapters)  # each member's own copies are checked
+    with torch.no_grad():
+        model.get_parameter(base[0]).view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        bw.wrap(model, "ensemble", num_data=N, params="adapters", num_members=3, init_seed=1)

@@ -12,6 +12,8 @@ first (:func:`unwrap_compiled`), and a model whose weights cannot become a poste
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import sys
 from collections.abc import Mapping
@@ -21,15 +23,34 @@ from torch import nn
 
 from bayeswrap.core.functional import nonfinite_names
 
+#: ids of tensors already checked by an enclosing :func:`checked_once` (None outside one)
+_CHECKED: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar("bayeswrap_checked", default=None)
+
+
+@contextlib.contextmanager
+def checked_once(model: nn.Module):
+    """Within the block, :func:`check_model_tensors` skips the tensors of ``model`` (which the caller has checked):
+    an ensemble's members share the wrapped model's frozen base, which is read once, not once per member.
+    """
+    ids = frozenset(id(t) for t in [*model.parameters(), *model.buffers()])
+    token = _CHECKED.set(ids | (_CHECKED.get() or frozenset()))
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
+
 
 def check_model_tensors(model: nn.Module) -> None:
     """Refuses models whose weights cannot become the initial posterior and prior mean (once, at wrap time).
+
+    Tensors checked by an enclosing :func:`checked_once` are not read again.
 
     Raises:
         ValueError: for uninitialised (lazy) tensors, tensors on the ``meta`` device, NaN or inf in a
             parameter, or NaN in a buffer; naming the first such tensor.
     """
-    named = list(model.named_parameters()) + list(model.named_buffers())
+    checked = _CHECKED.get() or frozenset()
+    named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()] if id(t) not in checked]
     lazy = [n for n, t in named if nn.parameter.is_lazy(t)]
     if lazy:
         raise ValueError(f"the model has uninitialised (lazy) tensors, e.g. {lazy[:3]}; run one forward pass "
@@ -40,13 +61,13 @@ def check_model_tensors(model: nn.Module) -> None:
                          "they cannot become the prior mean and the initial posterior; accepted: a model with "
                          "real weights (materialise it first, e.g. model.to_empty(device='cpu') and then "
                          "model.load_state_dict(weights))")
-    bad = nonfinite_names(model.named_parameters())
+    bad = nonfinite_names((n, t) for n, t in model.named_parameters() if id(t) not in checked)
     if bad:
         t = dict(model.named_parameters())[bad[0]]
         raise ValueError(f"the model's parameter {bad[0]!r} contains {int((~torch.isfinite(t)).sum())} non-finite "
                          f"values (NaN or inf){f'; so do {bad[1:4]}' if len(bad) > 1 else ''}; bayeswrap copies "
                          "the weights as the initial posterior and the prior mean, so they must be finite")
-    bad = nonfinite_names(model.named_buffers(), nan_only=lambda n: True)
+    bad = nonfinite_names(((n, t) for n, t in model.named_buffers() if id(t) not in checked), nan_only=lambda n: True)
     if bad:
         raise ValueError(f"the model's buffer {bad[0]!r} contains NaN; accepted: buffers without NaN "
                          "(e.g. reset BatchNorm statistics with module.reset_running_stats())")

@@ -71,7 +71,7 @@ from bayeswrap.core.batches import class_labels
 from bayeswrap.core.checks import check_int
 from bayeswrap.core.functional import NamedTensors
 from bayeswrap.core.likelihoods import PROBABILITY_LIKELIHOODS, at_least_float32
-from bayeswrap.core.modules import unwrap_compiled
+from bayeswrap.core.modules import checked_once, unwrap_compiled
 from bayeswrap.methods.base import (
     COMMON_OPTIONS,
     METHODS,
@@ -216,7 +216,8 @@ class Ensemble(BayesianModel):
                                  f"reset_parameters() on its module or an ancestor), e.g. {chosen[:3]}; accepted: "
                                  f"{REINIT_ACCEPTED}")
             self.reinitialised.append(done)
-            members.append(METHODS[self.member](net, **common, **self.member_kwargs))
+            with checked_once(model):  # the shared frozen base was checked when the ensemble was wrapped
+                members.append(METHODS[self.member](net, **common, **self.member_kwargs))
             del net
         self.members = nn.ModuleList(members)
         self.register_load_state_dict_post_hook(_share_frozen)
