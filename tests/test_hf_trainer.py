@@ -1,0 +1,148 @@
+"""bayeswrap.hf's BayesianTrainer (issue 35, item 4): a ``transformers.Trainer`` that trains a wrapped model as
+``bw.fit`` does.
+
+Oracles: ``bw.fit`` itself on the same batches in the same order (sequential sampling, the same seed, optimizer
+and learning rate, the Trainer's scheduler constant), for map, vi, ivon, sgld, swag, laplace (after_fit) and a
+deep ensemble over the LoRA adapters of a tiny BERT classifier built from a config, and for a tiny GPT-2 causal
+LM with ``likelihood="causal_lm"``; the plain ``transformers.Trainer`` on the peft model itself (MAP without a
+prior is its loss); :func:`bayeswrap.evaluation.tokens.token_report` and :mod:`bayeswrap.evaluation.calibration`
+for ``evaluate``; an uninterrupted run for a resumed one.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+
+import bayeswrap as bw
+from bayeswrap.evaluation import calibration
+from bayeswrap.evaluation.tokens import token_report
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+pytest.importorskip("accelerate")
+hf = pytest.importorskip("bayeswrap.hf")
+transformers.logging.set_verbosity_error()
+
+V = 15  # vocabulary: 0 pad, 2 [CLS], 3 [SEP], 5..14 words
+N = 24  # training sequences
+
+
+def _bert(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=32, num_labels=2,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, initializer_range=0.2)
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"], task_type="SEQ_CLS")
+    return peft.get_peft_model(transformers.BertForSequenceClassification(cfg), lora)
+
+
+def _gpt2(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=V, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True, task_type="CAUSAL_LM")
+    return peft.get_peft_model(transformers.GPT2LMHeadModel(cfg), lora)
+
+
+def _rows(n: int = N, seed: int = 0, lm: bool = False) -> list[dict]:
+    """Variable-length sentences; a string column ("text") that the Trainer must drop, as no forward names it."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(3, 8, (1,), generator=g))
+        ids = [2] + torch.randint(5, V, (length,), generator=g).tolist() + [3]
+        row = {"input_ids": ids, "attention_mask": [1] * len(ids), "text": f"sentence {i}"}
+        if lm:
+            row["labels"] = list(ids)
+        else:
+            row.update(token_type_ids=[0] * len(ids), labels=i % 2)
+        rows.append(row)
+    return rows
+
+
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-pads every list column (labels of a causal LM with -100), and fails on a string column."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    batch = {}
+    for key in rows[0]:
+        values = [r[key] for r in rows]
+        if isinstance(values[0], list):
+            pad = -100 if key == "labels" else 0
+            values = [v + [pad] * (longest - len(v)) for v in values]
+        batch[key] = torch.tensor(values)  # a str column raises here: it must have been dropped
+    return batch
+
+
+def _inputs(rows) -> dict[str, torch.Tensor]:
+    """The model inputs of a batch of rows."""
+    return {k: v for k, v in collate(_without_text(rows)).items() if k != "labels"}
+
+
+def _without_text(rows) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "text"} for r in rows]
+
+
+def _loader(rows, batch_size: int = 8):
+    return torch.utils.data.DataLoader(rows, batch_size=batch_size, collate_fn=collate)
+
+
+def _args(tmp_path, **overrides):
+    options = dict(num_train_epochs=3, per_device_train_batch_size=8, per_device_eval_batch_size=8,
+                   learning_rate=1e-2, lr_scheduler_type="constant", train_sampling_strategy="sequential", seed=5,
+                   report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, weight_decay=0.0,
+                   max_grad_norm=1.0, disable_tqdm=True, dataloader_pin_memory=False)
+    return transformers.TrainingArguments(str(tmp_path), **{**options, **overrides})
+
+
+def _optimizer(bnn, lr):
+    own = bnn.required_optimizer
+    if own is bw.optim.SGLD:
+        return own(bnn.param_groups(), lr=lr, num_data=bnn.num_data)
+    if own is not None:
+        return own(bnn.param_groups(), lr=lr)
+    return torch.optim.AdamW(bnn.param_groups(), lr=lr, weight_decay=0.0)
+
+
+def _assert_same_model(a, b, x, atol=1e-6):
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        torch.testing.assert_close(pa[name], pb[name], rtol=0, atol=atol, msg=name)
+    for key, value in a.posterior_std().items():  # variances: an ensemble's std is sqrt of a difference
+        torch.testing.assert_close(value.pow(2), b.posterior_std()[key].pow(2), rtol=0, atol=atol, msg=key)
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    torch.testing.assert_close(a.predict(x, num_samples=4, generator=g1), b.predict(x, num_samples=4, generator=g2),
+                               rtol=0, atol=atol)
+
+
+METHODS = {"map": ({}, 1e-2), "vi": ({}, 1e-2), "ivon": ({}, 1e-2), "sgld": ({"burn_in": 2, "thinning": 2}, 1e-4),
+           "swag": ({}, 1e-2), "laplace": ({}, 1e-2), "ensemble": ({"num_members": 2}, 1e-2)}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_trainer_equals_fit_on_lora_adapters(method, tmp_path):
+    """Same seed, batches, optimizer and lr: the Trainer's posterior and predictions are bw.fit's (1e-6)."""
+    options, lr = METHODS[method]
+    rows = _rows()
+    model = _bert()
+    torch.manual_seed(1)
+    reference = bw.wrap(copy.deepcopy(model), method, num_data=N, params="adapters", **options)
+    torch.manual_seed(5)  # the Trainer seeds the global generator with args.seed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bw.fit(reference, _loader(_without_text(rows)), epochs=3,
+               optimizer=_optimizer(reference, lr), progress=False, grad_clip_norm=1.0)
+        torch.manual_seed(1)
+        bnn = bw.wrap(copy.deepcopy(model), method, num_data=N, params="adapters", **options)
+        trainer = hf.BayesianTrainer(model=bnn, args=_args(tmp_path, learning_rate=lr), train_dataset=rows,
+                                     data_collator=collate)
+        trainer.train()
+    assert isinstance(trainer.optimizer.optimizer, bnn.required_optimizer or torch.optim.AdamW)
+    assert not bnn.training
+    x = _inputs(rows[:8])
+    _assert_same_model(reference, bnn, x)
