@@ -146,3 +146,72 @@ def test_trainer_equals_fit_on_lora_adapters(method, tmp_path):
     assert not bnn.training
     x = _inputs(rows[:8])
     _assert_same_model(reference, bnn, x)
+
+
+def test_causal_lm_trainer_equals_fit_and_evaluates_per_token(tmp_path):
+    """A tiny GPT-2 + LoRA under VI with likelihood="causal_lm": fit's posterior; evaluate() = token_report."""
+    rows = _rows(lm=True)
+    model = _gpt2()
+    num_tokens = sum(len(r["labels"]) - 1 for r in rows)  # targets after the causal shift, num_data in tokens
+    torch.manual_seed(1)
+    reference = bw.wrap(copy.deepcopy(model), "vi", num_data=num_tokens, params="adapters", likelihood="causal_lm")
+    torch.manual_seed(5)
+    bw.fit(reference, _loader(_without_text(rows)), epochs=3, optimizer=_optimizer(reference, 1e-2), progress=False,
+           grad_clip_norm=1.0)
+    torch.manual_seed(1)
+    bnn = bw.wrap(copy.deepcopy(model), "vi", num_data=num_tokens, params="adapters", likelihood="causal_lm")
+    trainer = hf.BayesianTrainer(model=bnn, args=_args(tmp_path, per_device_eval_batch_size=5), train_dataset=rows,
+                                 eval_dataset=rows[:10], data_collator=collate, eval_num_samples=0)
+    trainer.train()
+    x = _inputs(rows[:8])
+    _assert_same_model(reference, bnn, x)
+    metrics = trainer.evaluate()
+    batch = collate(_without_text(rows[:10]))
+    expected = token_report(bnn.predict(x | _inputs(rows[:10]), num_samples=0), batch["labels"])
+    for key in ("nll", "error", "ece"):
+        assert metrics[f"eval_{key}"] == pytest.approx(expected[key], rel=1e-5, abs=1e-7)
+    assert metrics["epoch"] == 3.0  # the Trainer's own log entries still come with it
+
+
+def test_gradient_accumulation_counts_the_prior_once(tmp_path):
+    """Batches of 4 with 2 accumulation steps = fit on batches of 8: mean NLL + KL/N once per step (MAP, prior on,
+    SGD), and evaluate() = calibration's NLL, error and ECE of the posterior predictive."""
+    rows = _rows()
+    model = _bert()
+    reference = bw.wrap(copy.deepcopy(model), "map", num_data=N, params="adapters", prior_std=0.1)
+    bw.fit(reference, _loader(_without_text(rows)), epochs=2, progress=False, grad_clip_norm=1.0,
+           optimizer=torch.optim.SGD(reference.param_groups(), lr=0.5))
+    bnn = bw.wrap(copy.deepcopy(model), "map", num_data=N, params="adapters", prior_std=0.1)
+    args = _args(tmp_path, num_train_epochs=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                 learning_rate=0.5, optim="sgd")
+    trainer = hf.BayesianTrainer(model=bnn, args=args, train_dataset=rows, eval_dataset=rows, data_collator=collate)
+    trainer.train()
+    assert trainer.state.global_step == 6
+    assert isinstance(trainer.optimizer.optimizer, torch.optim.SGD)
+    _assert_same_model(reference, bnn, _inputs(rows[:8]), atol=1e-6)
+    probs = bnn.predict(_inputs(rows), num_samples=0)
+    labels = collate(_without_text(rows))["labels"]
+    metrics = trainer.evaluate()
+    assert metrics["eval_nll"] == pytest.approx(calibration.nll(probs, labels), rel=1e-5)
+    assert metrics["eval_error"] == pytest.approx(1 - calibration.accuracy(probs, labels))
+    assert metrics["eval_ece"] == pytest.approx(calibration.ece(probs, labels), rel=1e-5, abs=1e-7)
+
+
+def test_map_without_prior_is_the_plain_peft_trainer(tmp_path):
+    """transformers.Trainer on the peft model itself (its own cross-entropy, AdamW) = MAP with prior_std=None."""
+    rows = _rows()
+    model = _bert()
+    plain = copy.deepcopy(model)
+    transformers.Trainer(model=plain, args=_args(tmp_path / "plain"), train_dataset=rows,
+                         data_collator=collate).train()
+    bnn = bw.wrap(copy.deepcopy(model), "map", num_data=N, params="adapters", prior_std=None)
+    hf.BayesianTrainer(model=bnn, args=_args(tmp_path / "bayes"), train_dataset=rows, data_collator=collate).train()
+    ours = dict(bnn.to_deterministic().named_parameters())
+    trained = {n: p for n, p in plain.named_parameters() if p.requires_grad}  # LoRA's A, B and the classifier
+    assert set(bnn.posterior_mean()) < set(trained) and len(trained) == 6
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(ours[name], p.detach(), rtol=0, atol=1e-6, msg=name)
+    x = _inputs(rows[:8])
+    with torch.no_grad():
+        torch.testing.assert_close(bnn.predict(x, num_samples=0), plain.eval()(**x).logits.softmax(-1), rtol=0,
+                                   atol=1e-6)
