@@ -214,11 +214,11 @@ class BayesianHooks(transformers.TrainerCallback):
         except TypeError:  # an iterable dataset without a length
             steps_per_epoch = None
         self.updates = 0
-        keys = [set(group) for group in optimizer.param_groups]
         self.bnn.before_fit(num_steps, optimizer, steps_per_epoch=steps_per_epoch)
         # a method that drives the learning rate per step (SWAG's swa_lr, cyclical SGLD) records each group's base
-        # value under a key of its own (bayeswrap.core.schedules.restore_param_groups)
-        self.optimizer = optimizer if any(set(g) - k for g, k in zip(optimizer.param_groups, keys)) else None
+        # value under a key of its own (bayeswrap.core.schedules.restore_param_groups); a resumed optimizer holds it
+        known = {"params", "initial_lr"} | set(optimizer.defaults) | {k for g in self.bnn.param_groups() for k in g}
+        self.optimizer = optimizer if any(set(g) - known for g in optimizer.param_groups) else None
         self.lrs = None
         if self.optimizer is not None and args.lr_scheduler_type not in ("constant", "constant_with_warmup"):
             warnings.warn(f"the {self.bnn.method!r} model sets the learning rate of every step itself, so the "

@@ -12,7 +12,6 @@ for ``evaluate``; an uninterrupted run for a resumed one.
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 
 import pytest
@@ -126,7 +125,8 @@ METHODS = {"map": ({}, 1e-2), "vi": ({}, 1e-2), "ivon": ({}, 1e-2), "sgld": ({"b
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_trainer_equals_fit_on_lora_adapters(method, tmp_path):
-    """Same seed, batches, optimizer and lr: the Trainer's posterior and predictions are bw.fit's (1e-6)."""
+    """Same seed, batches, optimizer and lr: the Trainer's posterior and predictions are bw.fit's (1e-6), with an
+    evaluation after each epoch (sampled, or at the current iterate before Laplace's and SGLD's posterior exists)."""
     options, lr = METHODS[method]
     rows = _rows()
     model = _bert()
@@ -139,9 +139,12 @@ def test_trainer_equals_fit_on_lora_adapters(method, tmp_path):
                optimizer=_optimizer(reference, lr), progress=False, grad_clip_norm=1.0)
         torch.manual_seed(1)
         bnn = bw.wrap(copy.deepcopy(model), method, num_data=N, params="adapters", **options)
-        trainer = hf.BayesianTrainer(model=bnn, args=_args(tmp_path, learning_rate=lr), train_dataset=rows,
-                                     data_collator=collate)
+        args = _args(tmp_path, learning_rate=lr, eval_strategy="epoch")  # mid-training evaluation changes nothing
+        trainer = hf.BayesianTrainer(model=bnn, args=args, train_dataset=rows, data_collator=collate,
+                                     eval_dataset=rows[:8], eval_num_samples=2)
         trainer.train()
+    assert [sorted(k for k in log if k.startswith("eval_")) for log in trainer.state.log_history[:3]] == [
+        ["eval_ece", "eval_error", "eval_nll"]] * 3
     assert isinstance(trainer.optimizer.optimizer, bnn.required_optimizer or torch.optim.AdamW)
     assert not bnn.training
     x = _inputs(rows[:8])
@@ -215,3 +218,78 @@ def test_map_without_prior_is_the_plain_peft_trainer(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(bnn.predict(x, num_samples=0), plain.eval()(**x).logits.softmax(-1), rtol=0,
                                    atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["swag", "vi"])
+def test_checkpoints_hold_a_bw_save_file_and_resume_as_uninterrupted(method, tmp_path):
+    """save_strategy="epoch": each checkpoint folder has bayeswrap.pt (bw.load rebuilds it); resuming from epoch 1
+    ends where the uninterrupted run ends (SWAG's moments and its learning-rate drive, VI's random stream)."""
+    rows = _rows()
+    model = _bert()
+
+    def run(folder, resume=None, epochs=3):
+        torch.manual_seed(1)
+        bnn = bw.wrap(copy.deepcopy(model), method, num_data=N, params="adapters")
+        trainer = hf.BayesianTrainer(model=bnn, args=_args(folder, save_strategy="epoch", num_train_epochs=epochs),
+                                     train_dataset=rows, data_collator=collate)
+        trainer.train(resume_from_checkpoint=resume)
+        return bnn, trainer
+
+    full, _ = run(tmp_path / "full")
+    first = tmp_path / "full" / "checkpoint-3"
+    assert (first / hf.BAYESWRAP_FILE).is_file() and (first / "optimizer.pt").is_file()
+    loaded = bw.load(tmp_path / "full" / "checkpoint-9" / hf.BAYESWRAP_FILE, _bert())
+    x = _inputs(rows[:8])
+    if method == "vi":  # checkpoint-9 is written before after_fit; SWAG's after_fit changes its state
+        _assert_same_model(full, loaded, x, atol=0)
+    resumed, trainer = run(tmp_path / "again", resume=str(first))
+    assert trainer.state.global_step == 9
+    _assert_same_model(full, resumed, x)
+    trainer.save_model(str(tmp_path / "final"))
+    _assert_same_model(resumed, bw.load(tmp_path / "final" / hf.BAYESWRAP_FILE, _bert()), x, atol=0)
+
+
+def test_resuming_from_a_folder_of_another_kind_is_refused(tmp_path):
+    rows = _rows()
+    bnn = bw.wrap(_bert(), "map", num_data=N, params="adapters")
+    trainer = hf.BayesianTrainer(model=bnn, args=_args(tmp_path / "map", save_strategy="epoch", num_train_epochs=1),
+                                 train_dataset=rows, data_collator=collate)
+    trainer.train()
+    other = hf.BayesianTrainer(model=bw.wrap(_bert(), "vi", num_data=N, params="adapters"),
+                               args=_args(tmp_path / "vi"), train_dataset=rows, data_collator=collate)
+    with pytest.raises(bw.core.io.CheckpointError, match="holds a 'map' model wrapped with other arguments"):
+        other.train(resume_from_checkpoint=str(tmp_path / "map" / "checkpoint-3"))
+    plain = tmp_path / "plain"
+    transformers.Trainer(model=_bert(), args=_args(plain, save_strategy="epoch", num_train_epochs=1),
+                         train_dataset=rows, data_collator=collate).train()
+    with pytest.raises(ValueError, match=r"holds no bayeswrap.pt \(it holds \[.*adapter_model.safetensors"):
+        other.train(resume_from_checkpoint=str(plain / "checkpoint-3"))
+
+
+def test_bad_input_is_refused_with_the_value_and_what_is_accepted(tmp_path):
+    rows = _rows()
+    with pytest.raises(ValueError, match="model must be a bayeswrap BayesianModel .* got PeftModelForSequence"):
+        hf.BayesianTrainer(model=_bert(), args=_args(tmp_path), train_dataset=rows, data_collator=collate)
+    bnn = bw.wrap(_bert(), "sgld", num_data=N, params="adapters")
+    with pytest.raises(ValueError, match="compute_metrics is not accepted by BayesianTrainer"):
+        hf.BayesianTrainer(model=bnn, args=_args(tmp_path), compute_metrics=lambda p: {})
+    with pytest.raises(ValueError, match="eval_num_samples"):
+        hf.BayesianTrainer(model=bnn, args=_args(tmp_path), eval_num_samples=-1)
+    with pytest.raises(ValueError, match="run_chains"):
+        hf.BayesianTrainer(model=bw.wrap(torch.nn.Linear(2, 2), "mh", num_data=4), args=_args(tmp_path))
+    adamw = torch.optim.AdamW(bnn.param_groups(), lr=1e-3)
+    trainer = hf.BayesianTrainer(model=bnn, args=_args(tmp_path), train_dataset=rows, data_collator=collate,
+                                 optimizers=(adamw, None))
+    with pytest.raises(ValueError, match="must be trained with bayeswrap.optim.SGLD, got AdamW"):
+        trainer.train()
+    with pytest.raises(ValueError, match="evaluate\\(\\) needs an eval_dataset"):
+        trainer.evaluate()
+    # columns that no forward argument names are dropped, leaving only the targets
+    renamed = [{"tokens": r["input_ids"][:3], "labels": r["labels"]} for r in rows]
+    trainer = hf.BayesianTrainer(model=bw.wrap(_bert(), "map", num_data=N, params="adapters"), args=_args(tmp_path),
+                                 train_dataset=renamed,
+                                 data_collator=lambda b: {k: torch.tensor([r[k] for r in b]) for k in b[0]})
+    with pytest.raises(ValueError, match=r"nothing but the targets \(keys \['labels'\]\).*'input_ids', "
+                                         r"'attention_mask'.*remove_unused_columns=False"):
+        trainer.train()
+    assert "input_ids" in trainer._signature_columns and "text" not in trainer._signature_columns
