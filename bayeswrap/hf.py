@@ -54,7 +54,9 @@ step, fit's once per epoch.
 
 Not supported (refused with a message): ``model_init`` (wrap the model yourself), ``compute_loss_func`` and
 ``compute_metrics`` (the loss is the Bayesian one, the metrics bayeswrap's), and full-batch samplers (MH, HMC:
-``run_chains``). Data-parallel training (``torchrun``/``accelerate launch``) is not tested with this class.
+``run_chains``), and data-parallel training (``torchrun``/``accelerate launch``, several GPUs): the loss is
+computed outside the ``DistributedDataParallel`` wrapper, so the gradients would not be averaged (use
+:func:`bayeswrap.fit` under ``torchrun`` or :mod:`bayeswrap.lightning`).
 
 Transformers is an optional dependency: ``pip install "bayeswrap[hf]"`` (``transformers`` and ``accelerate``,
 which the Trainer needs).
@@ -104,7 +106,7 @@ from bayeswrap.methods.persistence import FORMAT, FORMAT_VERSION, save, storable
 from bayeswrap.predictive import model_device, predict_loader, score
 from bayeswrap.training import check_optimizer, diagnose_nonfinite_loss, parameter_label, rng_preserved, step_loss
 
-__all__ = ["BAYESWRAP_FILE", "BayesianHooks", "BayesianTrainer", "load_state"]
+__all__ = ["BAYESWRAP_FILE", "BayesianHooks", "BayesianTrainer", "forward_columns", "load_state"]
 
 #: the file name of the :func:`bayeswrap.save` file in a checkpoint folder (and in ``save_model``'s folder)
 BAYESWRAP_FILE = "bayeswrap.pt"
@@ -271,8 +273,8 @@ class BayesianTrainer(transformers.Trainer):
 
     Raises:
         ValueError: if ``model`` is not a BayesianModel that fit trains (naming its type), for
-            ``model_init``/``compute_loss_func``/``compute_metrics``, or ``eval_num_samples``/``finalize`` out of
-            range; during training, a batch without the targets ``bnn.label_key`` or with nothing but the targets
+            ``model_init``/``compute_loss_func``/``compute_metrics``, ``eval_num_samples``/``finalize`` out of
+            range, or more than one process or GPU (data-parallel training is not supported); during training, a batch without the targets ``bnn.label_key`` or with nothing but the targets
             (naming the keys it holds and the columns kept), and an optimizer that is not one of bnn's
             (:func:`bayeswrap.training.check_optimizer`).
         FloatingPointError: for a non-finite loss or parameter, with fit's diagnosis.
@@ -290,6 +292,12 @@ class BayesianTrainer(transformers.Trainer):
                                           note="posterior draws per prediction; 0: the posterior mean")
         self.bnn = bnn
         super().__init__(model=bnn, args=args, **kwargs)
+        if self.args.world_size > 1 or self.args.n_gpu > 1:
+            raise ValueError(f"BayesianTrainer trains in one process on one device (got world_size="
+                             f"{self.args.world_size}, n_gpu={self.args.n_gpu}): the Bayesian loss is computed "
+                             "outside the DistributedDataParallel/DataParallel wrapper, whose gradient averaging would "
+                             "not run; accepted: one process and one device (CUDA_VISIBLE_DEVICES=0), or bw.fit under "
+                             "torchrun, or bayeswrap.lightning with strategy='ddp', for data-parallel training")
         if self.args.label_names is None:
             self.label_names = [bnn.label_key]
         self.can_return_loss = True

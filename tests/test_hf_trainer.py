@@ -198,6 +198,10 @@ def test_gradient_accumulation_counts_the_prior_once(tmp_path):
     assert metrics["eval_nll"] == pytest.approx(calibration.nll(probs, labels), rel=1e-5)
     assert metrics["eval_error"] == pytest.approx(1 - calibration.accuracy(probs, labels))
     assert metrics["eval_ece"] == pytest.approx(calibration.ece(probs, labels), rel=1e-5, abs=1e-7)
+    predicted = trainer.predict(rows)
+    torch.testing.assert_close(torch.as_tensor(predicted.predictions), probs, rtol=0, atol=1e-6)
+    assert predicted.label_ids.tolist() == labels.tolist()
+    assert predicted.metrics["test_nll"] == pytest.approx(metrics["eval_nll"])
 
 
 def test_map_without_prior_is_the_plain_peft_trainer(tmp_path):
