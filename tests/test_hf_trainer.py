@@ -297,3 +297,27 @@ def test_bad_input_is_refused_with_the_value_and_what_is_accepted(tmp_path):
                                          r"'attention_mask'.*remove_unused_columns=False"):
         trainer.train()
     assert "input_ids" in trainer._signature_columns and "text" not in trainer._signature_columns
+
+
+def test_load_best_model_at_end_is_fits_early_stopping_state(tmp_path):
+    """load_best_model_at_end on eval_nll = fit's restored best validation state (patience never reached), and
+    Laplace's curvature is fitted at it afterwards in both (SGD at a large lr, so the best epoch is not the last)."""
+    rows = _rows()
+    model = _bert()
+    reference = bw.wrap(copy.deepcopy(model), "laplace", num_data=N, params="adapters")
+    history = bw.fit(reference, _loader(_without_text(rows)), epochs=4, progress=False, grad_clip_norm=1.0,
+                     optimizer=torch.optim.SGD(reference.param_groups(), lr=3.0),
+                     val_loader=_loader(_without_text(rows[:12])), early_stopping_patience=10)
+    best = min(range(4), key=lambda e: history[e]["val_nll"])
+    assert best < 3
+    bnn = bw.wrap(copy.deepcopy(model), "laplace", num_data=N, params="adapters")
+    args = _args(tmp_path, num_train_epochs=4, optim="sgd", learning_rate=3.0, eval_strategy="epoch",
+                 save_strategy="epoch", load_best_model_at_end=True, metric_for_best_model="nll",
+                 greater_is_better=False)
+    trainer = hf.BayesianTrainer(model=bnn, args=args, train_dataset=rows, eval_dataset=rows[:12],
+                                 data_collator=collate, eval_num_samples=0)
+    trainer.train()
+    assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{3 * (best + 1)}")
+    assert [log["eval_nll"] for log in trainer.state.log_history[:4]] == pytest.approx(
+        [record["val_nll"] for record in history], rel=1e-6)
+    _assert_same_model(reference, bnn, _inputs(rows[:8]))
