@@ -324,7 +324,18 @@ class BayesianTrainer(transformers.Trainer):
             extra = {"num_data": bnn.num_data} if "num_data" in accepted else {}
             self.optimizer = own(groups, lr=self.args.learning_rate, **extra)
             return self.optimizer
-        cls, options = self.get_optimizer_cls_and_kwargs(self.args, bnn)
+        if self.optimizer_cls_and_kwargs is not None:
+            cls, options = self.optimizer_cls_and_kwargs
+        else:
+            cls, options = self.get_optimizer_cls_and_kwargs(self.args, bnn)
+        special = sorted({"params", "model", "optimizer_dict"} & set(options))
+        if special or not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(f"optim={str(self.args.optim)!r} ({getattr(cls, '__name__', cls)}) builds its own "
+                             f"parameter groups{f' ({special})' if special else ''}, so it cannot take "
+                             "bnn.param_groups(); accepted: an optimizer class over parameter groups (e.g. optim="
+                             "'adamw_torch', 'sgd', 'adagrad', 'rmsprop'), or optimizers=(optimizer over "
+                             "bnn.param_groups(), None)")
+        options = dict(options)
         for group in groups:
             group.setdefault("weight_decay", self.args.weight_decay)  # posterior groups already carry 0
         self.optimizer = cls(groups, **options)
