@@ -29,7 +29,9 @@
   (``on_optimizer_step``, before the learning-rate scheduler steps, as in fit; an fp16 step skipped for inf/NaN
   gradients is not counted); a ``FloatingPointError`` naming a trainable parameter that became NaN or inf at the
   end of an epoch; and ``bnn.after_fit(train_dataloader)`` when training ends, with autograd on (Laplace fits its
-  curvature, SWAG its BatchNorm statistics, SGLD its store), then ``bnn.eval()``.
+  curvature, SWAG its BatchNorm statistics), then ``bnn.eval()``. A method that sets the learning rate of every
+  step itself (SWAG's ``swa_lr``, cyclical SGLD) keeps it over the Trainer's scheduler (whose step would overwrite
+  it; a warning says so unless ``lr_scheduler_type`` is constant).
 * **Evaluation** (``evaluate``, also during training under ``eval_strategy``): the posterior predictive over the
   evaluation set with ``eval_num_samples`` draws (:func:`bayeswrap.predictive.predict_loader`), scored by
   :func:`bayeswrap.predictive.score` and :func:`bayeswrap.evaluation.calibration.ece`: ``eval_nll``,
@@ -39,7 +41,7 @@
   current iterate where the posterior does not exist yet (Laplace, SGLD), as fit's validation, so it changes
   nothing in the training. ``predict`` returns the predictive probabilities (or ``(mean, var)``).
 * **Checkpoints.** ``save_model`` and each checkpoint folder hold one :func:`bayeswrap.save` file,
-  :data:`BAYESWRAP_FILE` (``bnn.load(path, fresh_architecture)`` rebuilds the model from it;
+  :data:`BAYESWRAP_FILE` (``bw.load(path, fresh_architecture)`` rebuilds the model from it;
   :func:`load_state` loads it into an existing model), beside the Trainer's optimizer, scheduler, RNG and
   trainer-state files. ``trainer.train(resume_from_checkpoint=...)`` loads the Bayesian state (SWAG's moments,
   SGLD's kept draws and counters included) and the Trainer restores the rest; a folder without that file, or
@@ -52,9 +54,12 @@ parameters and predictions equal those of ``bw.fit(bnn, loader, epochs=num_train
 grad_clip_norm=max_grad_norm)`` (``tests/test_hf_trainer.py``). The Trainer's scheduler steps once per optimizer
 step, fit's once per epoch.
 
+``TrainingArguments(bf16=True)`` computes the loss under accelerate's autocast, as ``fit(autocast_dtype="bf16")``
+(tested equal too).
+
 Not supported (refused with a message): ``model_init`` (wrap the model yourself), ``compute_loss_func`` and
-``compute_metrics`` (the loss is the Bayesian one, the metrics bayeswrap's), and full-batch samplers (MH, HMC:
-``run_chains``), and data-parallel training (``torchrun``/``accelerate launch``, several GPUs): the loss is
+``compute_metrics`` (the loss is the Bayesian one, the metrics bayeswrap's), full-batch samplers (MH, HMC:
+``run_chains``), an ``optim`` that builds its own parameter groups (GaLore, LOMO), and data-parallel training (``torchrun``/``accelerate launch``, several GPUs): the loss is
 computed outside the ``DistributedDataParallel`` wrapper, so the gradients would not be averaged (use
 :func:`bayeswrap.fit` under ``torchrun`` or :mod:`bayeswrap.lightning`).
 

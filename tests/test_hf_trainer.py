@@ -176,6 +176,21 @@ def test_causal_lm_trainer_equals_fit_and_evaluates_per_token(tmp_path):
     assert metrics["epoch"] == 3.0  # the Trainer's own log entries still come with it
 
 
+def test_bf16_autocast_equals_fit(tmp_path):
+    """TrainingArguments(bf16=True) = fit(autocast_dtype="bf16") (VI on the adapters, CPU autocast)."""
+    rows = _rows()
+    model = _bert()
+    torch.manual_seed(1)
+    reference = bw.wrap(copy.deepcopy(model), "vi", num_data=N, params="adapters")
+    torch.manual_seed(5)
+    bw.fit(reference, _loader(_without_text(rows)), epochs=3, optimizer=_optimizer(reference, 1e-2), progress=False,
+           grad_clip_norm=1.0, autocast_dtype="bf16")
+    torch.manual_seed(1)
+    bnn = bw.wrap(copy.deepcopy(model), "vi", num_data=N, params="adapters")
+    hf.BayesianTrainer(model=bnn, args=_args(tmp_path, bf16=True), train_dataset=rows, data_collator=collate).train()
+    _assert_same_model(reference, bnn, _inputs(rows[:8]))
+
+
 def test_gradient_accumulation_counts_the_prior_once(tmp_path):
     """Batches of 4 with 2 accumulation steps = fit on batches of 8: mean NLL + KL/N once per step (MAP, prior on,
     SGD), and evaluate() = calibration's NLL, error and ECE of the posterior predictive."""
