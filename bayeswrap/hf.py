@@ -146,10 +146,7 @@ def forward_columns(bnn: BayesianModel) -> list[str]:
 
     These are the dataset columns the Trainer keeps under ``remove_unused_columns=True``.
     """
-    inner = bnn.model
-    members = getattr(bnn, "members", None)  # an ensemble: its members share one architecture
-    if not hasattr(inner, "forward") and members is not None:
-        inner = members[0]
+    inner = bnn.model  # the storage-free copy of the wrapped module (an ensemble's: of its members' architecture)
     get_base = getattr(inner, "get_base_model", None)
     if callable(get_base):
         inner = get_base()

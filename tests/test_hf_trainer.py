@@ -303,6 +303,12 @@ def test_bad_input_is_refused_with_the_value_and_what_is_accepted(tmp_path):
         trainer.train()
     with pytest.raises(ValueError, match="evaluate\\(\\) needs an eval_dataset"):
         trainer.evaluate()
+    peft_model = _bert()  # an optimizer over the wrapped module's own tensors (its frozen base and adapters)
+    trainer = hf.BayesianTrainer(model=bw.wrap(peft_model, "vi", num_data=N, params="adapters"), args=_args(tmp_path),
+                                 train_dataset=rows, data_collator=collate,
+                                 optimizers=(torch.optim.AdamW(peft_model.parameters()), None))
+    with pytest.raises(ValueError, match="the optimizer holds none of bnn's trainable parameters"):
+        trainer.train()
     # columns that no forward argument names are dropped, leaving only the targets
     renamed = [{"tokens": r["input_ids"][:3], "labels": r["labels"]} for r in rows]
     trainer = hf.BayesianTrainer(model=bw.wrap(_bert(), "map", num_data=N, params="adapters"), args=_args(tmp_path),
