@@ -140,3 +140,26 @@ def test_training_keeps_lora_dropout_on_and_a_checkpoint_reloads():
     bnn.eval(), fresh.eval()
     g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
     torch.testing.assert_close(fresh.predict(x, 3, generator=g1), bnn.predict(x, 3, generator=g2), rtol=0, atol=0)
+
+
+def test_a_tiny_bert_keeps_only_loras_dropout_active_and_matches_the_peft_loop():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=16, num_labels=2,
+                                  hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.2,
+                             task_type="SEQ_CLS", init_lora_weights=False)
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(cfg), config)
+    g = torch.Generator().manual_seed(1)
+    x = {"input_ids": torch.randint(0, 40, (3, 6), generator=g), "attention_mask": torch.ones(3, 6, dtype=torch.long)}
+    bnn = bw.wrap(model, "mc_dropout", num_data=10, mode="layers", params="adapters", chunk_size=1).eval()
+    assert len(bnn.dropout_layers) == 2 and all(".lora_dropout." in n for n in bnn.dropout_layers)
+    outs = bnn.sample_logits(x, 3, generator=torch.Generator().manual_seed(2))
+    seed = int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(2)))
+    ref = _reference(model)  # the base's attention and hidden dropout (p = 0.1) stay off, as in eval mode
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        expected = torch.stack([ref(**x).logits for _ in range(3)])
+    torch.testing.assert_close(outs, expected, rtol=0, atol=1e-5)
+    assert not torch.allclose(outs[0], outs[1])

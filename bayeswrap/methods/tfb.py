@@ -265,7 +265,7 @@ class TFB(MAP):
             where = "even its high end is within" if bound_hit == "high" else "even its low end is outside"
             warnings.warn(f"TFB: {where} the tolerance (metric={self.metric!r}, epsilon={self.epsilon:g}) of "
                           f"sigma_range={self.sigma_range}, so sigma={chosen:g} is the range's end; widen sigma_range "
-                          "or change epsilon", RuntimeWarning, stacklevel=2)
+                          "or change epsilon", RuntimeWarning, stacklevel=4)
         self.tfb_sigma.fill_(chosen)
         self.tfb_ready.fill_(True)
         self.search_record = {"sigma": tried, "metric": values, "baseline": baseline, "chosen": chosen,
