@@ -65,8 +65,9 @@ RANK_TOL = 1e-6
 
 @register_method("tfb", order=77)
 class TFB(MAP):
-    """Training-Free Bayesianization (Shi et al. 2024): a low-rank isotropic Gaussian on LoRA's A whose scale σ is
-    the largest that keeps the anchor set's NLL (or accuracy) within ε of the trained LoRA's.
+    """Training-free Bayesianization of a trained LoRA (Shi et al. 2024): σ of a Gaussian on A searched post hoc.
+
+    The scale σ is the largest that keeps the anchor set's NLL (or accuracy) within ε of the trained LoRA's.
 
     Takes the arguments of :class:`~bayeswrap.BayesianModel` plus:
 
