@@ -112,6 +112,27 @@ def test_sigma_zero_and_the_posterior_mean_are_the_map_lora():
                                searched.predict(x, 3, generator=torch.Generator().manual_seed(4)), rtol=0, atol=0)
 
 
+def test_predicted_labels_hold_the_share_of_unchanged_predictions():
+    """``labels="predicted"``, ``metric="accuracy"`` (the authors' accuracy variant): the share of anchor
+    predictions the noise leaves as the trained LoRA's, at least 1 − ε at the chosen σ and below it just above.
+    """
+    model = _lora(seed=2, n_out=3)
+    x = torch.randn(200, 5, generator=torch.Generator().manual_seed(3))
+    loader = [(x[:100], torch.zeros(100, dtype=torch.long)), (x[100:], torch.zeros(100, dtype=torch.long))]
+    bnn = bw.wrap(model, "tfb", params="adapters_A", num_data=200, metric="accuracy", labels="predicted",
+                  epsilon=0.1, search_samples=3, sigma_range=(1e-3, 1e3))
+    chosen = bnn.search_sigma(loader)
+    record = bnn.search_record
+    assert record["baseline"] == 1.0 and record["bound_hit"] is None  # the trained LoRA agrees with itself
+    generator = torch.Generator().manual_seed(0)  # a naive loop: the search's draws at the chosen σ
+    agree = [(bnn.predict(xb, 3, generator=generator).argmax(1) == bnn.predict(xb, 0).argmax(1)).float()
+             for xb, _ in loader]
+    share = float(torch.cat(agree).mean())
+    assert share == pytest.approx(record["metric"][record["sigma"].index(chosen)], rel=1e-6) and share >= 0.9
+    above = min(s for s, ok in zip(record["sigma"], record["within"]) if not ok)
+    assert record["metric"][record["sigma"].index(above)] < 0.9
+
+
 def test_a_model_without_lora_gets_the_isotropic_full_rank_case():
     torch.manual_seed(0)
     bnn = bw.wrap(nn.Linear(3, 2), "tfb", num_data=4, sigma=0.3)
@@ -133,6 +154,9 @@ def test_refusals_name_the_value_and_the_accepted_ones():
     with pytest.raises(ValueError, match=r"metric='accuracy' needs class or token probabilities, but "
                                          r"likelihood='gaussian'"):
         bw.wrap(model, "tfb", params="adapters_A", num_data=8, likelihood="gaussian", metric="accuracy")
+    with pytest.raises(ValueError, match=r"labels='predicted' needs class or token probabilities, but "
+                                         r"likelihood='gaussian'; accepted: labels='data'"):
+        bw.wrap(model, "tfb", params="adapters_A", num_data=8, likelihood="gaussian", labels="predicted")
     for bad in [(1.0, 0.1), (0.0, 1.0), (1e-3,), "wide"]:
         with pytest.raises(ValueError, match=r"sigma_range=.* is not accepted; accepted: \(low, high\)"):
             bw.wrap(model, "tfb", params="adapters_A", num_data=8, sigma_range=bad)

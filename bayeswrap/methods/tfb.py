@@ -1,7 +1,8 @@
 """TFB: Training-Free Bayesianization of a trained LoRA by a post hoc search of its posterior variance.
 
 Shi, Wang, Han, Zhang & Wang 2024, "Training-Free Bayesianization for Low-Rank Adapters of Large Language
-Models" (arXiv:2412.05723), §3 and Algorithm 1. A LoRA layer adds ΔW = B A (B: out × r, A: r × in) to a frozen
+Models" (arXiv:2412.05723; the structure and the search as in the authors' code, Wang-ML-Lab/bayesian-peft,
+``modelwrappers/tfblora.py`` and ``tfblora_acc.py``, which were read for this module). A LoRA layer adds ΔW = B A (B: out × r, A: r × in) to a frozen
 weight. TFB keeps B a point estimate and puts a Gaussian on A whose spread is fixed by one scalar σ. With the
 thin SVD B = U diag(d) Vᵀ, TFB rewrites the pair as B' = U diag(d), A' = Vᵀ A (B'A' = BA) and takes
 A'_ij ~ N(A'_ij, σ² / d_i²). Then B'A'_s = BA + σ U E with E_ij ~ N(0, 1): the update's noise is the
@@ -15,20 +16,23 @@ the rank. A direction with d_k ≤ 1e-6 · max(d) (B rank-deficient, e.g. an ada
 initialises B = 0) gets no noise: B maps it to zero, so it changes nothing in BA. B is read when a draw is made,
 so a LoRA trained further (or loaded) is always drawn with its current SVD.
 
-σ is found without training (Algorithm 1): on an *anchor* set (the training loader that :func:`bayeswrap.fit`
+σ is found without training: on an *anchor* set (the training loader that :func:`bayeswrap.fit`
 hands :meth:`TFB.after_fit`, its first ``anchor_batches`` batches), the largest σ in ``sigma_range`` whose
 predictive stays within a tolerance ε of the point estimate's,
 
     metric="nll":       NLL(σ) − NLL(0) ≤ ε · |NLL(0)|      (a relative increase, as the authors' code),
     metric="accuracy":  acc(0) − acc(σ) ≤ ε                  (a drop in accuracy, a fraction),
 
-with NLL(σ) and acc(σ) those of the S-sample predictive (S = ``search_samples``) on the anchor's labels, every σ
+with NLL(σ) and acc(σ) those of the S-sample predictive (S = ``search_samples``) on the anchor's labels
+(``labels="data"``) or on the trained LoRA's predicted classes (``labels="predicted"``, the authors' code: an
+anchor set needs no labels; its accuracy is then the share of predictions that the noise leaves unchanged), every σ
 scored with the same noise (a generator re-seeded with ``search_seed``), so that the metric is a deterministic
 function of σ. The search evaluates both ends of the range, then halves it ``search_steps`` times at the geometric
-midpoint √(lo · hi) (the range spans decades; the paper halves arithmetically) and keeps lo, the largest σ seen
-within tolerance. The paper shows the chosen σ solves a KL-regularised variational problem (its §3.4); the
-authors' code also divides the relative NLL change by the anchor size, which this module does not. Under
-data-parallel training the anchor metric is summed over the ranks, so every rank chooses the same σ.
+midpoint √(lo · hi) (the range spans decades; the authors' code halves arithmetically) and keeps lo, the largest σ
+seen within tolerance (their code keeps the last σ found outside it). Their code also divides the relative NLL
+change by the anchor size, which this module does not, and draws its noise with flipout per example, where a
+draw here is one A for the whole batch (the same distribution). The paper relates the chosen σ to a
+KL-regularised variational problem. Under data-parallel training the anchor metric is summed over the ranks, so every rank chooses the same σ.
 
 A model without LoRA factors (or a Bayesian parameter that is not a LoRA A) is TFB's degenerate full-rank case
 B = I: the isotropic Gaussian N(θ, σ² I) around the trained weights, with σ found by the same search. LoRA's B
@@ -57,6 +61,8 @@ from bayeswrap.predictive import model_device, predict_loader, score
 
 #: accepted values of ``metric``
 METRICS = ("nll", "accuracy")
+#: accepted values of ``labels``: the anchor's targets, or the trained LoRA's predicted classes
+LABELS = ("data", "predicted")
 #: LoRA's A factor and its B partner, as peft names them (``...lora_A.<adapter>.weight``, ``...lora_embedding_A.<adapter>``)
 LORA_PAIRS = {"lora_A": "lora_B", "lora_embedding_A": "lora_embedding_B"}
 #: singular values of B at most this fraction of the largest get no noise (directions B maps to zero)
@@ -76,6 +82,8 @@ class TFB(MAP):
             (0.01: 1 %), with ``metric="accuracy"`` the drop in anchor accuracy (a fraction).
         metric: ``"nll"`` or ``"accuracy"`` (a categorical or token likelihood only), the anchor performance
             the search holds.
+        labels: ``"data"`` (the anchor loader's targets) or ``"predicted"`` (the trained LoRA's predicted
+            classes, as the authors' code; a categorical or token likelihood only).
         sigma: a fixed σ ≥ 0 (no search; the authors' ``iter=0``), or None: :meth:`after_fit` searches it.
         sigma_range: ``(low, high)``, 0 < low < high, the bracket of the search (default (1e-4, 1.0)).
         search_steps: halvings of the bracket after its ends are scored (integer ≥ 1; the ratio high/low
@@ -106,12 +114,14 @@ class TFB(MAP):
     reads_train_loader_after_fit = True  # the search scores the anchor (training) loader once per σ
     in_default_comparison = False
 
-    def __init__(self, model, *, epsilon: float = 0.01, metric: str = "nll", sigma: float | None = None,
+    def __init__(self, model, *, epsilon: float = 0.01, metric: str = "nll", labels: str = "data",
+                 sigma: float | None = None,
                  sigma_range: tuple[float, float] = (1e-4, 1.0), search_steps: int = 10, search_samples: int = 10,
                  anchor_batches: int | None = None, search_seed: int = 0, **kwargs):
         self.epsilon = check_float("epsilon", epsilon, low=0.0, high=1e6, low_open=True,
                                    note="the tolerance of the anchor metric")
         self.metric = check_choice("metric", metric, METRICS)
+        self.labels = check_choice("labels", labels, LABELS)
         self.fixed_sigma = check_float("sigma", sigma, low=0.0, allow_none=True, note="the posterior scale")
         self.sigma_range = _check_range(sigma_range)
         self.search_steps = check_int("search_steps", search_steps, minimum=1)
@@ -119,9 +129,11 @@ class TFB(MAP):
         self.anchor_batches = check_int("anchor_batches", anchor_batches, minimum=1, allow_none=True)
         self.search_seed = check_int("search_seed", search_seed)
         super().__init__(model, **kwargs)
-        if self.metric == "accuracy" and self.likelihood.name not in PROBABILITY_LIKELIHOODS:
-            raise ValueError(f"metric='accuracy' needs class or token probabilities, but likelihood="
-                             f"{self.likelihood.name!r}; accepted: metric='nll', or a categorical or token likelihood")
+        for name, value, other in (("metric", "accuracy", "nll"), ("labels", "predicted", "data")):
+            if getattr(self, name) == value and self.likelihood.name not in PROBABILITY_LIKELIHOODS:
+                raise ValueError(f"{name}={value!r} needs class or token probabilities, but likelihood="
+                                 f"{self.likelihood.name!r}; accepted: {name}={other!r}, or a categorical or token "
+                                 "likelihood")
         self._pairs = self._lora_pairs()
         self.register_buffer("tfb_sigma", torch.tensor(self.fixed_sigma or 0.0, dtype=torch.float64))
         self.register_buffer("tfb_ready", torch.tensor(self.fixed_sigma is not None))
@@ -240,10 +252,11 @@ class TFB(MAP):
         self._searching = True
         tried, values, within = [], [], []
         try:
-            baseline = self._anchor_metric(anchor_loader, 0.0, 0)
+            targets = self._predicted_classes(anchor_loader) if self.labels == "predicted" else None
+            baseline = self._anchor_metric(anchor_loader, 0.0, 0, targets)
 
             def ok(sigma: float) -> bool:
-                value = self._anchor_metric(anchor_loader, sigma, self.search_samples)
+                value = self._anchor_metric(anchor_loader, sigma, self.search_samples, targets)
                 good = self._within(value, baseline)
                 tried.append(sigma), values.append(value), within.append(good)
                 return good
@@ -280,15 +293,16 @@ class TFB(MAP):
             return value - baseline <= self.epsilon * abs(baseline)
         return baseline - value <= self.epsilon
 
-    def _anchor_metric(self, loader, sigma: float, num_samples: int) -> float:
-        """The anchor NLL or accuracy of the S-sample predictive at σ (S = 0: the posterior mean), summed over
-        ranks under data parallelism.
+    def _anchor_metric(self, loader, sigma: float, num_samples: int, targets: list | None = None) -> float:
+        """The anchor NLL or accuracy of the S-sample predictive at σ (S = 0: the posterior mean), on the loader's
+        targets or on ``targets`` (one tensor per batch), summed over ranks under data parallelism.
         """
         self.tfb_sigma.fill_(sigma)
         generator = torch.Generator(device=model_device(self)).manual_seed(self.search_seed)
         nll = correct = count = 0.0
-        for batch in itertools.islice(loader, self.anchor_batches):
+        for index, batch in enumerate(itertools.islice(loader, self.anchor_batches)):
             pred, y = predict_loader(self, [batch], num_samples, generator=generator)
+            y = y if targets is None else targets[index]
             scores, n = score(self, pred, y), len(y)
             nll += scores["nll"] * n
             correct += (1.0 - scores.get("error", 0.0)) * n
@@ -298,6 +312,12 @@ class TFB(MAP):
             raise ValueError("anchor_loader yielded no batches (or no target tokens); accepted: a loader of "
                              "(inputs, targets) batches, e.g. the training loader")
         return nll / count if self.metric == "nll" else correct / count
+
+    def _predicted_classes(self, loader) -> list[torch.Tensor]:
+        """The trained LoRA's predicted class of every anchor example (or target token), one tensor per batch."""
+        self.tfb_sigma.fill_(0.0)
+        return [predict_loader(self, [batch], 0)[0].argmax(-1)
+                for batch in itertools.islice(loader, self.anchor_batches)]
 
     def _mixes(self) -> dict[str, torch.Tensor]:
         """``{A name: V diag(1/d) (r × r)}`` from the thin SVD of each LoRA B now (cached while B is unchanged)."""
