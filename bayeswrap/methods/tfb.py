@@ -94,8 +94,8 @@ class TFB(MAP):
         search_seed: seed of the generator re-seeded for every σ scored (integer).
 
     Raises:
-        ValueError: on an ``epsilon`` that is not a number in (0, 1e6], an unknown ``metric``, ``"accuracy"``
-            with a Gaussian likelihood, a ``sigma`` < 0 or not finite, a ``sigma_range`` that is not
+        ValueError: on an ``epsilon`` that is not a number in (0, 1e6], an unknown ``metric`` or ``labels``,
+            ``metric="accuracy"`` or ``labels="predicted"`` with a Gaussian likelihood, a ``sigma`` < 0 or not finite, a ``sigma_range`` that is not
             two numbers with 0 < low < high < inf, ``search_steps``/``search_samples``/``anchor_batches`` not
             an integer ≥ 1, a Bayesian LoRA B factor (``params="adapters"``), a LoRA A whose B partner is
             missing or of another rank; as :class:`~bayeswrap.BayesianModel` otherwise.
@@ -115,9 +115,8 @@ class TFB(MAP):
     in_default_comparison = False
 
     def __init__(self, model, *, epsilon: float = 0.01, metric: str = "nll", labels: str = "data",
-                 sigma: float | None = None,
-                 sigma_range: tuple[float, float] = (1e-4, 1.0), search_steps: int = 10, search_samples: int = 10,
-                 anchor_batches: int | None = None, search_seed: int = 0, **kwargs):
+                 sigma: float | None = None, sigma_range: tuple[float, float] = (1e-4, 1.0), search_steps: int = 10,
+                 search_samples: int = 10, anchor_batches: int | None = None, search_seed: int = 0, **kwargs):
         self.epsilon = check_float("epsilon", epsilon, low=0.0, high=1e6, low_open=True,
                                    note="the tolerance of the anchor metric")
         self.metric = check_choice("metric", metric, METRICS)
