@@ -58,6 +58,7 @@ from bayeswrap.core.batches import batch_size, check_inputs_finite, loader_pair,
 from bayeswrap.core.distributed import all_reduce_sum_
 from bayeswrap.core.functional import nonfinite_names, outside_inference_mode, vmap_over_examples
 from bayeswrap.core.likelihoods import at_least_float32
+from bayeswrap.core.reductions import gather_tokens, token_index
 from bayeswrap.methods.laplace.curvature import LayerCurvature
 from bayeswrap.methods.laplace.kernels import has_recurrent, native_kernels
 from bayeswrap.methods.laplace.structures import FullPosterior, LinearCapture, delta_of, network_jacobian
@@ -337,6 +338,22 @@ class CurvatureFitting:
                                  detach_input=True)
         return LinearCapture({n: self.model.get_submodule(n) for n in self._structure.layers})
 
+    def _picked_head(self, x, seen, deltas):
+        """Last layer with ``output_reduction``: the head's input a (B, T, D) and pulled-back vectors (M, B, T, K)
+        read at the token the outputs are read at, (B, D) and (M, B, K) (laplace-torch's ``feature_reduction``).
+
+        The outputs depend on the head only through that token, so the vectors are zero at every other position and
+        the per-example Jacobian δ_{n,t_n} ã_{n,t_n}ᵀ is unchanged; the Kronecker factor A = (1/n) Σ_n a aᵀ then
+        averages the picked features only, as laplace-torch's last-layer KFAC over the reduced features does
+        (:mod:`bayeswrap.core.reductions`). Anything else is returned as it is.
+        """
+        name = self.last_layer_name
+        if name is None or self.output_reduction is None or seen[name][0].dim() != 3:
+            return seen, deltas
+        a, z = seen[name]
+        index = token_index(x, a.shape[:2], self.output_reduction, a.device)
+        return {name: (gather_tokens(a, index), z)}, {name: gather_tokens(deltas[name], index, dim=2)}
+
     def _example_slices(self, x) -> list[slice]:
         """Slices of ``curvature_chunk_size`` examples (bounds the (c, K, P) Jacobians of ``"full"`` over all)."""
         c = self.curvature_chunk_size
@@ -360,7 +377,8 @@ class CurvatureFitting:
             v = torch.eye(k, dtype=f.dtype, device=f.device)[:, None].expand(-1, f.shape[0], -1).reshape(k, *f.shape)
         else:
             v = vectors(f)
-        d = capture.pullback(f, seen, v)[self.last_layer_name]
+        seen, deltas = self._picked_head(x, seen, capture.pullback(f, seen, v))
+        d = deltas[self.last_layer_name]
         a = seen[self.last_layer_name][0]
         if a.dim() != 2:
             raise ValueError(f"subset_of_weights='last_layer' with hessian_structure='full' needs the last layer's "
@@ -385,7 +403,7 @@ class CurvatureFitting:
         capture = self._capture()
         f, seen = capture.run(lambda inp: self.forward_with(theta, inp), x)
         v = self._curvature_vectors(f, y, sampled)
-        structure.add(seen, capture.pullback(f, seen, v))
+        structure.add(*self._picked_head(x, seen, capture.pullback(f, seen, v)))
 
     def _raise_nonfinite_batch(self, index: int, x, y, theta) -> None:
         """Says why the log-likelihood of batch ``index`` is not finite: its inputs, its targets or θ*."""

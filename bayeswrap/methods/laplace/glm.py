@@ -146,7 +146,7 @@ class LinearisedPredictive:
             f, seen = capture.run(lambda inp: self.forward_with(theta, inp), x)
             k = f[0].numel()
             basis = torch.eye(k, dtype=f.dtype, device=f.device)[:, None].expand(-1, f.shape[0], -1)
-            deltas = capture.pullback(f, seen, basis.reshape(k, *f.shape))
+            seen, deltas = self._picked_head(x, seen, capture.pullback(f, seen, basis.reshape(k, *f.shape)))
             var = structure.functional_variance(seen, deltas, delta)
             var = torch.zeros(k, f.shape[0], dtype=f.dtype, device=f.device) if var is None else var.t()
             f = f.detach()
