@@ -1,0 +1,221 @@
+"""Laplace-LoRA: KFAC Laplace over a peft model's adapters against laplace-torch's LoRA path (issue 35, item 3).
+
+``bw.wrap(peft_model, "laplace", params="adapters", hessian_structure="kron")`` puts Kronecker factors on LoRA's
+A and B ``Linear`` modules (Yang et al., ICLR 2024). laplace-torch's ``KronLaplace`` restricts its curvature to the
+parameters that require grad, which on a peft model are the adapters and the ``modules_to_save`` head; freezing
+the head gives it the adapters alone. Both are compared, in float64, on
+
+* a tiny GPT-2 sequence classifier (LoRA on the fused ``c_attn`` ``Conv1D``, head in ``modules_to_save``) with
+  Hugging Face dict batches (``input_ids``, a right-padding ``attention_mask``, ``labels``);
+* a tiny causal LM read at the last non-padding token (``output_reduction="pick_last"``): classification over
+  the next-token logits, the setting of Yang et al.;
+* a tiny MLP with LoRA on both layers, classification and regression.
+
+Compared to 1e-6 (relative): the posterior precision (G ⊗ A + δ I, as matrix-vector products against
+laplace-torch's ``KronDecomposed``), the log marginal likelihood at several δ, the GLM predictive (probit
+probabilities; regression: mean and variance), and the evidence-tuned δ of ``optimize_prior_precision("marglik")``
+(a stationary point of laplace-torch's evidence). After ``bw.fit`` (MAP on the adapters, then the curvature in
+``after_fit``) the same holds for laplace-torch fitted on the trained network.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import bayeswrap as bw
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+laplace = pytest.importorskip("laplace")
+from laplace.curvature import CurvlinopsGGN  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+DT = torch.float64
+VOCAB, LENGTH, CLASSES = 24, 6, 3
+TOL = {"rtol": 1e-6, "atol": 1e-9}
+
+
+def _perturbed(model, scale=0.3):
+    """Moves the trainable tensors off their init (B = 0 would make A's curvature vanish)."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def _gpt2_config(**kw):
+    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=8, n_layer=1, n_head=2, n_positions=8, resid_pdrop=0.0,
+                                   embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                                   **kw)
+
+
+def gpt2_classifier(freeze_head=False):
+    torch.manual_seed(0)
+    base = transformers.GPT2ForSequenceClassification(_gpt2_config(num_labels=CLASSES)).to(DT)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"],
+                                                      task_type="SEQ_CLS"))
+    _perturbed(model)
+    if freeze_head:  # laplace-torch's curvature then covers exactly the adapters
+        for n, p in model.named_parameters():
+            if ".modules_to_save." in n:
+                p.requires_grad_(False)
+    return model
+
+
+def causal_lm():
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(_gpt2_config()).to(DT)
+    return _perturbed(peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"],
+                                                                task_type="CAUSAL_LM")))
+
+
+def lora_mlp(outputs=CLASSES):
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, outputs)).to(DT)
+    return _perturbed(peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["0", "2"])))
+
+
+def token_batches(labels=CLASSES):
+    """Two dict batches of 8 with right padding (pad id 0 after the last token, mask 0 there)."""
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(1, VOCAB, (8, LENGTH), generator=g)
+        mask = torch.ones(8, LENGTH, dtype=torch.long)
+        for i in range(8):
+            mask[i, LENGTH - i % 3:] = 0 if i % 3 else 1
+        batches.append({"input_ids": ids * mask, "attention_mask": mask,
+                        "labels": torch.randint(0, labels, (8,), generator=g)})
+    return batches
+
+
+def tensor_batches(regression=False):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 4, generator=g, dtype=DT)
+    y = torch.randn(16, 1, generator=g, dtype=DT) if regression else torch.randint(0, CLASSES, (16,), generator=g)
+    return [(x[:8], y[:8]), (x[8:], y[8:])]
+
+
+class DictCall(nn.Module):
+    """laplace-torch's calling convention for dict batches, ``model(batch)`` → (B, K) logits."""
+
+    def __init__(self, model, last_token=False):
+        super().__init__()
+        self.model, self.last_token = model, last_token
+
+    def forward(self, batch):
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        if not self.last_token:
+            return logits
+        last = [max(t for t in range(LENGTH) if batch["attention_mask"][b, t]) for b in range(logits.shape[0])]
+        return torch.stack([logits[b, t] for b, t in enumerate(last)])
+
+
+def theirs(model, batches, likelihood="classification", prior_mean=0.0, noise=1.0):
+    if isinstance(batches[0], dict):
+        model = DictCall(model, last_token=model.__class__.__name__ == "PeftModelForCausalLM")
+        data = [{k: v[i] for k, v in b.items()} for b in batches for i in range(len(b["labels"]))]
+    else:
+        data = torch.utils.data.TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+    la = laplace.Laplace(model, likelihood, subset_of_weights="all", hessian_structure="kron", prior_precision=1.0,
+                         prior_mean=prior_mean, sigma_noise=noise, backend=CurvlinopsGGN)
+    la.fit(torch.utils.data.DataLoader(data, batch_size=8))
+    return la
+
+
+def ours(model, batches, params="adapters", **kw):
+    bnn = bw.wrap(model, "laplace", params=params, hessian_structure="kron", num_data=16, prior_std=1.0,
+                  prior_mean="zero", **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return bnn.fit_curvature(batches)
+
+
+def inputs(batch):
+    return {k: v for k, v in batch.items() if k != "labels"} if isinstance(batch, dict) else batch[0]
+
+
+def assert_equal_posteriors(bnn, la, x, regression=False):
+    """Predictive first (laplace-torch's log_marginal_likelihood(δ) sets its δ), precision, evidence, tuned δ."""
+    assert la.n_params == sum(t.numel() for t in bnn.theta.values())
+    if regression:
+        mean, var = bnn.predict(x)
+        f_mu, f_var = la(x, pred_type="glm")
+        torch.testing.assert_close(mean, f_mu, **TOL)
+        torch.testing.assert_close(var - bnn.noise_std**2, f_var[:, :, 0], **TOL)
+    else:
+        torch.testing.assert_close(bnn.predict(x), la(x, pred_type="glm", link_approx="probit"), **TOL)
+    ours_p = bnn.posterior_precision()
+    v = torch.randn(6, ours_p.shape[0], dtype=DT, generator=torch.Generator().manual_seed(0))
+    their_pv = la.posterior_precision.bmm(v.unsqueeze(1), exponent=1).squeeze(1)
+    torch.testing.assert_close(v @ ours_p.T, their_pv, rtol=1e-6, atol=1e-6 * float(their_pv.abs().max()))
+    for delta in (1.0, 0.2, 7.0):
+        torch.testing.assert_close(bnn.log_marginal_likelihood(delta),
+                                   la.log_marginal_likelihood(torch.tensor(delta, dtype=DT)).reshape(()),
+                                   rtol=1e-6, atol=0)
+    bnn.optimize_prior_precision("marglik")  # the evidence-tuned δ: a stationary point of laplace-torch's evidence
+    best = bnn.prior_precision
+    assert isinstance(best, float) and best != 1.0
+    lml = [float(la.log_marginal_likelihood(torch.tensor(best * f, dtype=DT))) for f in (1 - 1e-4, 1.0, 1 + 1e-4)]
+    assert lml[1] >= max(lml[0], lml[2]) - 1e-9
+    torch.testing.assert_close(torch.tensor(lml[1], dtype=DT), bnn.log_marginal_likelihood(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("params, freeze_head", [("adapters", True), (None, False)])
+def test_gpt2_classifier_adapters_equal_laplace_torch_kron(params, freeze_head):
+    """params='adapters': A and B of c_attn (head a point estimate); None: the modules_to_save head too."""
+    batches = token_batches()
+    bnn = ours(gpt2_classifier(), batches, params=params)
+    expected = 2 if params == "adapters" else 4  # lora_A, lora_B (and the head's weight and bias, if any)
+    assert len(bnn.bayesian_names) in (expected, expected - 1)
+    assert sorted(w for w, _ in bnn._structure.layers.values()) == sorted(
+        n for n in bnn.bayesian_names if n.endswith("weight"))
+    assert not bnn._structure.diag_names  # every Bayesian tensor has Kronecker factors
+    la = theirs(gpt2_classifier(freeze_head=freeze_head), batches)
+    assert_equal_posteriors(bnn, la, inputs(batches[1]))
+
+
+def test_causal_lm_last_token_laplace_lora_equals_laplace_torch():
+    """Yang et al.'s setting: the next-token logits at the last prompt token as a (B, V) classifier."""
+    batches = token_batches(labels=VOCAB)
+    bnn = ours(causal_lm(), batches, output_reduction="pick_last")
+    assert [n.split(".")[-3] for n in bnn.bayesian_names] == ["lora_A", "lora_B"]
+    la = theirs(causal_lm(), batches)
+    assert_equal_posteriors(bnn, la, inputs(batches[0]))
+
+
+@pytest.mark.parametrize("regression", [False, True])
+def test_lora_mlp_equals_laplace_torch(regression):
+    batches = tensor_batches(regression)
+    kw = {"likelihood": "gaussian", "noise_std": 0.7} if regression else {}
+    bnn = ours(lora_mlp(1 if regression else CLASSES), batches, **kw)
+    assert len(bnn._structure.layers) == 4  # A and B of both layers
+    la = theirs(lora_mlp(1 if regression else CLASSES), batches, "regression" if regression else "classification",
+                noise=0.7 if regression else 1.0)
+    assert_equal_posteriors(bnn, la, batches[1][0], regression)
+
+
+def test_after_bw_fit_the_posterior_equals_laplace_torch_on_the_trained_adapters():
+    """MAP on the adapters by bw.fit, the curvature in after_fit; laplace-torch on the trained network with the
+    same prior mean (the adapters' init: B = 0, A its random init)."""
+    batches = token_batches()
+    model = gpt2_classifier()
+    init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    bnn = bw.wrap(model, "laplace", params="adapters", hessian_structure="kron", num_data=16, prior_std=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        bw.fit(bnn, batches, epochs=3, optimizer=torch.optim.Adam(bnn.parameters(), lr=0.05), progress=False)
+    assert bnn.is_ready()
+    trained = bnn.to_deterministic()
+    moved = [n for n in bnn.bayesian_names if not torch.equal(trained.get_parameter(n), init[n])]
+    assert moved == bnn.bayesian_names
+    for n, p in trained.named_parameters():
+        p.requires_grad_(n in bnn.bayesian_names)
+    prior_mean = torch.cat([init[n].flatten() for n in bnn.bayesian_names])
+    la = theirs(trained, batches, prior_mean=prior_mean)
+    assert_equal_posteriors(bnn, la, inputs(batches[0]))
