@@ -33,10 +33,28 @@ The method is one class over files of one concept each:
 * :mod:`bayeswrap.methods.laplace.structures` and :mod:`bayeswrap.methods.laplace.curvature`: the full and
   Kronecker-factored posteriors, and the per-layer curvature engine.
 
+Laplace-LoRA (Yang et al. 2024) is this class on a peft model's adapters:
+
+    bnn = bw.wrap(peft_model, "laplace", params="adapters", hessian_structure="kron", num_data=N)
+    bw.fit(bnn, train_loader, ...)              # MAP on the adapters; after_fit fits the curvature
+    bnn.optimize_prior_precision("marglik")     # the evidence-tuned δ (Immer et al. 2021; MacKay 1992)
+    probs = bnn.predict(batch)                  # the probit GLM predictive over (B, K) logits
+
+LoRA's A (r × in) and B (out × r) are separate ``nn.Linear`` modules, so each gets its own Kronecker factors
+G ⊗ A (:mod:`bayeswrap.methods.laplace.structures`; inputs with token dims are flattened into examples, KFAC
+"expand"); the frozen base is differentiated through but has no posterior. peft's ``modules_to_save`` head stays a
+point estimate with ``params="adapters"`` (``params=None`` makes it Bayesian too). The curvature and the Kronecker
+factors are fp32 for bf16/fp16 adapters (:mod:`bayeswrap.core.adapters`). For a causal LM read as a classifier at
+each sequence's last non-padding token (Yang et al.'s next-token logits over the answer tokens), wrap with
+``output_reduction="pick_last"`` (:mod:`bayeswrap.core.reductions`). Equal to laplace-torch's ``KronLaplace``
+over the same ``requires_grad`` parameters (its LoRA path) to 1e-6 (``tests/test_laplace_lora.py``).
+
 References:
     MacKay 1992, "A practical Bayesian framework for backpropagation networks";
     Ritter et al. 2018; Immer et al. 2021, "Improving predictions of Bayesian neural
-    nets via local linearization"; Daxberger et al. 2021, "Laplace Redux" (laplace-torch).
+    nets via local linearization"; Daxberger et al. 2021, "Laplace Redux" (laplace-torch);
+    Yang, Robeyns, Wang, Aitchison 2024, "Bayesian low-rank adaptation for large language models", ICLR
+    (Laplace-LoRA: KFAC over the LoRA adapters, the prior precision by the marginal likelihood).
 """
 
 from __future__ import annotations
