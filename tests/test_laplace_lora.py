@@ -128,8 +128,8 @@ def theirs(model, batches, likelihood="classification", prior_mean=0.0, noise=1.
     return la
 
 
-def ours(model, batches, params="adapters", **kw):
-    bnn = bw.wrap(model, "laplace", params=params, hessian_structure="kron", num_data=16, prior_std=1.0,
+def ours(model, batches, params="adapters", num_data=16, **kw):
+    bnn = bw.wrap(model, "laplace", params=params, hessian_structure="kron", num_data=num_data, prior_std=1.0,
                   prior_mean="zero", **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -219,3 +219,88 @@ def test_after_bw_fit_the_posterior_equals_laplace_torch_on_the_trained_adapters
     prior_mean = torch.cat([init[n].flatten() for n in bnn.bayesian_names])
     la = theirs(trained, batches, prior_mean=prior_mean)
     assert_equal_posteriors(bnn, la, inputs(batches[0]))
+
+
+# --------------------------------------------------------------------------------------------------
+# token likelihoods: the GGN of a sequence is the sum over its target tokens
+# --------------------------------------------------------------------------------------------------
+def test_token_categorical_laplace_lora_equals_laplace_torch_on_the_unrolled_tokens():
+    """A per-token LoRA MLP on (B, T, 4) inputs, every position a target: the token likelihood's sequences are
+    the categorical likelihood's B·T examples, so the KFAC ("expand": A averaged over the positions) posterior
+    equals laplace-torch's over the unrolled (B·T, 4) data, num_data counted in tokens."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 5, 4, generator=g, dtype=DT), torch.randint(0, CLASSES, (16, 5), generator=g)
+    tokens = [(x[:8], y[:8]), (x[8:], y[8:])]
+    bnn = ours(lora_mlp(), tokens, likelihood="token_categorical", num_data=80)
+    la = theirs(lora_mlp(), [(a.reshape(-1, 4), b.reshape(-1)) for a, b in tokens])
+    torch.testing.assert_close(bnn.predict(x[:4]), la(x[:4].reshape(-1, 4), pred_type="glm").reshape(4, 5, CLASSES),
+                               **TOL)
+    v = torch.randn(6, la.n_params, dtype=DT, generator=torch.Generator().manual_seed(0))
+    their_pv = la.posterior_precision.bmm(v.unsqueeze(1), exponent=1).squeeze(1)
+    torch.testing.assert_close(v @ bnn.posterior_precision().T, their_pv, rtol=1e-6,
+                               atol=1e-6 * float(their_pv.abs().max()))
+    for delta in (1.0, 0.2):
+        torch.testing.assert_close(bnn.log_marginal_likelihood(delta),
+                                   la.log_marginal_likelihood(torch.tensor(delta, dtype=DT)).reshape(()),
+                                   rtol=1e-6, atol=0)
+
+
+def test_causal_lm_token_laplace_is_the_ggn_summed_over_target_tokens():
+    """causal_lm with the shift and -100 labels (a prompt and padding), dense over the adapters: H, the training
+    log-likelihood and the probit predictive against per-sequence Jacobians (torch.func) summed by hand."""
+    from bayeswrap.core.token_likelihoods import count_target_tokens
+
+    batches = token_batches()
+    for b in batches:
+        b["labels"] = torch.where(b["attention_mask"].bool(), b["input_ids"], -100)
+        b["labels"][:, :2] = -100  # the prompt
+    n_tokens = count_target_tokens(batches)
+    num_data = 3 * n_tokens  # a training set three times the batches seen: every term scaled by N/n
+    model = causal_lm()
+    bnn = ours(model, batches, likelihood="causal_lm", num_data=num_data)
+    bnn_full = bw.wrap(model, "laplace", params="adapters", hessian_structure="full", num_data=num_data,
+                       prior_std=1.0, prior_mean="zero", likelihood="causal_lm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        bnn_full.fit_curvature(batches)
+    names = bnn.bayesian_names
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def logits(th, ids, mask):
+        return torch.func.functional_call(model, {**params, **th}, (), {"input_ids": ids[None],
+                                                                         "attention_mask": mask[None]}).logits[0]
+
+    theta = {n: params[n] for n in names}
+    h = torch.zeros(bnn_full.posterior_precision().shape, dtype=DT)
+    log_lik = 0.0
+    for b in batches:
+        # transformers' ForCausalLMLoss (the mean over target tokens, computed in float32) × the count
+        log_lik -= float(model(**b).loss) * int((b["labels"][:, 1:] != -100).sum())
+        for ids, mask, labels in zip(b["input_ids"], b["attention_mask"], b["labels"]):
+            jac = torch.func.jacrev(logits)(theta, ids, mask)
+            j = torch.cat([jac[n].reshape(LENGTH, VOCAB, -1) for n in names], -1)  # (T, V, P)
+            p = logits(theta, ids, mask).softmax(-1)
+            for t in range(LENGTH - 1):
+                if labels[t + 1] != -100:
+                    lam = torch.diag(p[t]) - torch.outer(p[t], p[t])
+                    h += j[t].T @ lam @ j[t]
+    scale = num_data / n_tokens
+    torch.testing.assert_close(bnn_full.posterior_precision(), scale * h + torch.eye(len(h), dtype=DT), rtol=1e-8,
+                               atol=1e-10 * float(h.abs().max()))
+    torch.testing.assert_close(float(bnn_full.train_log_likelihood), scale * log_lik, rtol=1e-6, atol=0)
+    torch.testing.assert_close(bnn.train_log_likelihood, bnn_full.train_log_likelihood, rtol=1e-12, atol=0)
+    # the probit GLM predictive of the Kron posterior: softmax(f / sqrt(1 + π/8 diag(J P⁻¹ Jᵀ))) per position
+    x = inputs(batches[0])
+    ids, mask = x["input_ids"][:3], x["attention_mask"][:3]
+    bnn.prior_precision = 1e-3  # a weak prior: variances large enough to move the probabilities
+    p_inv = torch.linalg.inv(bnn.posterior_precision())
+    expected = []
+    for i in range(3):
+        jac = torch.func.jacrev(logits)(theta, ids[i], mask[i])
+        j = torch.cat([jac[n].reshape(LENGTH, VOCAB, -1) for n in names], -1)
+        var = torch.einsum("tvp,pq,tvq->tv", j, p_inv, j)
+        expected.append((logits(theta, ids[i], mask[i]) / torch.sqrt(1 + torch.pi / 8 * var)).softmax(-1))
+    probs = bnn.predict({"input_ids": ids, "attention_mask": mask})
+    assert probs.shape == (3, LENGTH, VOCAB)
+    torch.testing.assert_close(probs, torch.stack(expected), rtol=1e-8, atol=1e-12)
+    assert float((probs - bnn.predict({"input_ids": ids, "attention_mask": mask}, 0)).abs().max()) > 5e-4

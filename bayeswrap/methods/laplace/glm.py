@@ -47,7 +47,7 @@ from bayeswrap.core.batches import check_inputs_finite, take, unsqueeze
 from bayeswrap.core.checks import check_choice
 from bayeswrap.core.functional import outside_inference_mode, vmap_over_examples
 from bayeswrap.core.likelihoods import at_least_float32
-from bayeswrap.methods.laplace.fitting import basis_vectors
+from bayeswrap.methods.laplace.fitting import basis_vectors, is_token_likelihood
 from bayeswrap.methods.laplace.kernels import has_recurrent, native_kernels
 from bayeswrap.methods.laplace.structures import FullPosterior
 from bayeswrap.methods.predictives import Predictive, refuse_options
@@ -300,7 +300,7 @@ class GLM(Predictive):
             return super().predict(bnn, x, num_samples, generator)
         f_mu, f_var = bnn._functional_moments(x)
         bnn.likelihood.check_outputs(f_mu)
-        if bnn.likelihood.name == "categorical":
+        if bnn.likelihood.name == "categorical" or is_token_likelihood(bnn.likelihood):  # softmax over the last dim
             kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8.0 * f_var)
             return at_least_float32(kappa * f_mu).softmax(-1)
         return f_mu, f_var + bnn.likelihood.noise_std**2

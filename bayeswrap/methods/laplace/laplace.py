@@ -49,6 +49,16 @@ each sequence's last non-padding token (Yang et al.'s next-token logits over the
 ``output_reduction="pick_last"`` (:mod:`bayeswrap.core.reductions`). Equal to laplace-torch's ``KronLaplace``
 over the same ``requires_grad`` parameters (its LoRA path) to 1e-6 (``tests/test_laplace_lora.py``).
 
+Language-model likelihoods (``likelihood="causal_lm"`` / ``"token_categorical"``, logits (B, T, V) and labels
+(B, T) with -100 ignored; :mod:`bayeswrap.core.token_likelihoods`): a sequence's log-likelihood is the sum over its
+target tokens, so its GGN is Σ_t J_tᵀ (diag(p_t) − p_t p_tᵀ) J_t over the positions t that score a label
+(:func:`~bayeswrap.methods.laplace.fitting.ggn_vectors`), ``num_data`` and the N/n scaling count target tokens,
+the Kronecker factor A averages over the sequences' positions (KFAC "expand"), and the (empirical) Fisher takes
+each sequence's summed gradient. The exact GGN backpropagates T·V vectors per sequence and the probit GLM
+predictive T·V unit vectors: for a real vocabulary use ``curvature="fisher"`` (one sampled sequence per
+example) and ``link_approx="mc"`` (forward-mode linearised samples), which give (B, T, V) probabilities too.
+Computed by the per-layer engine only (``curvature_backend="layers"``).
+
 References:
     MacKay 1992, "A practical Bayesian framework for backpropagation networks";
     Ritter et al. 2018; Immer et al. 2021, "Improving predictions of Bayesian neural
@@ -66,6 +76,7 @@ import torch
 
 from bayeswrap.core.checks import check_choice, check_scale
 from bayeswrap.core.functional import NamedTensors, _mangle
+from bayeswrap.core.token_likelihoods import TOKEN_LIKELIHOODS
 from bayeswrap.methods.base import BayesianModel, NotFittedError, check_int, register_method
 from bayeswrap.methods.laplace.fitting import CURVATURE_BACKENDS, CURVATURES, CurvatureFitting
 from bayeswrap.methods.laplace.glm import LINK_APPROXES, PRED_TYPES, LinearisedPredictive
@@ -87,7 +98,7 @@ from bayeswrap.methods.map import MAP
 #: layer (Daxberger et al. 2021, §5); every model the command line builds from timm or torchvision is above it
 AUTO_LAST_LAYER_ABOVE = 1_000_000
 #: the likelihoods Laplace supports (the heteroscedastic one would need the GGN of Immer et al. 2023)
-LAPLACE_LIKELIHOODS = ("categorical", "gaussian")
+LAPLACE_LIKELIHOODS = ("categorical", "gaussian", *TOKEN_LIKELIHOODS)
 
 
 @register_method("laplace", order=70)
@@ -175,7 +186,8 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
             ``subset_of_weights="last_layer"``, a model without an
             ``nn.Linear`` for ``"last_layer"``, ``hessian_structure="full"``
             over more than ``MAX_FULL_PARAMS`` parameters, or ``"full"``/``"kron"``
-            with a flat bias prior (``bias="uninformative"``).
+            with a flat bias prior (``bias="uninformative"``), or a token likelihood (``"causal_lm"``,
+            ``"token_categorical"``) with ``curvature_backend="vmap"``.
 
     Warns:
         RuntimeWarning: ``hessian_structure="kron"`` with Bayesian parameters
@@ -225,10 +237,10 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
             raise ValueError(f"likelihood='heteroscedastic' is not supported by method 'laplace'; accepted: "
                              f"{LAPLACE_LIKELIHOODS} (for a learned homoscedastic noise: likelihood='gaussian', "
                              "noise_std='learn')")
-        if kwargs.get("likelihood") in ("causal_lm", "token_categorical"):  # its curvature reads (B, K) outputs
-            raise ValueError(f"likelihood={kwargs['likelihood']!r} is not supported by method {self.method!r} yet; "
-                             f"accepted: {LAPLACE_LIKELIHOODS} (a causal LM's sequence classifier, e.g. "
-                             "GPT2ForSequenceClassification's last-token (B, K) logits, with 'categorical')")
+        if kwargs.get("likelihood") in TOKEN_LIKELIHOODS and self.curvature_backend != "layers":
+            raise ValueError(f"likelihood={kwargs['likelihood']!r} with curvature_backend={self.curvature_backend!r}: "
+                             "the token likelihoods' curvature is computed by the per-layer engine only; accepted: "
+                             "curvature_backend='layers'")
         super().__init__(model, **kwargs)
 
     def _init_posterior(self, init):
