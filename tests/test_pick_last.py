@@ -98,7 +98,7 @@ def test_token_index_reads_the_last_and_first_non_padding_token():
 
 
 @pytest.mark.parametrize("method", ["map", "vi", "swag"])
-def test_fit_predict_evaluate_equal_the_pooled_network(method):
+def test_fit_predict_evaluate_equal_the_pooled_network(method, tmp_path):
     token, pooled = make_nets()
     batches = make_batches()
     models = []
@@ -121,6 +121,11 @@ def test_fit_predict_evaluate_equal_the_pooled_network(method):
         torch.testing.assert_close(ours.predict(x, s, generator=torch.Generator().manual_seed(2)),
                                    ref.predict(x, s, generator=torch.Generator().manual_seed(2)), rtol=1e-10,
                                    atol=1e-12)
+    if method == "map":  # bw.save stores the option: the loaded model reads the same token
+        bw.save(ours, tmp_path / "m.pt")
+        loaded = bw.load(tmp_path / "m.pt", TokenClassifier().to(DT))
+        assert loaded.output_reduction == "pick_last"
+        torch.testing.assert_close(loaded.predict(x, 0), ref.predict(x, 0), rtol=1e-10, atol=1e-12)
     scores = [bw.evaluate(m, batches, num_samples=2, generator=torch.Generator().manual_seed(3)) for m in models]
     assert scores[0].keys() == scores[1].keys() and scores[0]["nll"] > 0
     for k, v in scores[1].items():
