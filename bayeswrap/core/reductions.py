@@ -15,7 +15,10 @@ tokenizer's or collator's batch), so that right padding (``[w w w 0 0]``) and le
 both read the last real token; without a mask (tensor inputs, or a mapping without ``"attention_mask"``),
 t_b = T − 1 ("pick_last") or 0 ("pick_first"). The selection is an index (``torch.gather``): differentiable in
 the outputs, exact under ``torch.func.vmap`` (over examples or over posterior draws), and its gradient is zero at
-every other position.
+every other position. It is applied where a Bayesian model reads its network's outputs
+(:meth:`bayeswrap.BayesianModel.forward_with`, and SWAG's calls with recomputed BatchNorm statistics);
+:meth:`~bayeswrap.BayesianModel.to_deterministic` returns the network itself, whose outputs stay (B, T, K).
+Checking that no row is all padding reads the mask once per call (one device synchronisation on a GPU).
 
 laplace-torch's ``feature_reduction="pick_last"`` (``laplace.utils.feature_extractor``) reduces the *features* of
 a last-layer Laplace, (B, T, D) → (B, D), at position T − 1 regardless of padding; with left padding or without
@@ -27,7 +30,9 @@ the head) or after it (a per-token head whose outputs are picked). laplace-torch
 computes A over all T positions of the head's input (Curvlinops' KFAC "expand", padding included) even with
 ``feature_reduction``; on a tiny GPT-2 body its log evidence at δ = 1 is −31.70 against −27.58 for laplace-torch on
 the pooled network, which this module's reduction gives (``tests/test_pick_last.py``; the dense last layer agrees
-with both).
+with both). Over all the Bayesian parameters (``subset_of_weights="all"``, e.g. LoRA adapters) every Kron layer,
+a per-token head included, keeps KFAC "expand" over the positions, as laplace-torch's ``KronLaplace`` does
+(``tests/test_laplace_lora.py``: a causal LM read at its last token).
 
 References:
     Daxberger et al. 2021, "Laplace Redux — effortless Bayesian deep learning" (laplace-torch, its
