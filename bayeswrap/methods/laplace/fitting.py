@@ -208,7 +208,8 @@ class CurvatureFitting:
         The model is evaluated in eval mode (BatchNorm uses its running
         statistics, dropout is off) so that per-example quantities are defined.
         Both the curvature and the log-likelihood are scaled by N/n (n the
-        number of examples seen), so that a subset of the training set
+        number of examples seen; of target tokens for the token likelihoods, whose
+        ``num_data`` counts tokens), so that a subset of the training set
         estimates the full-data terms.
 
         Args:
@@ -356,8 +357,9 @@ class CurvatureFitting:
 
         The outputs depend on the head only through that token, so the vectors are zero at every other position and
         the per-example Jacobian δ_{n,t_n} ã_{n,t_n}ᵀ is unchanged; the Kronecker factor A = (1/n) Σ_n a aᵀ then
-        averages the picked features only, as laplace-torch's last-layer KFAC over the reduced features does
-        (:mod:`bayeswrap.core.reductions`). Anything else is returned as it is.
+        averages the picked features only, as laplace-torch's last-layer KFAC does on a network that pools the
+        features before its head (its ``feature_reduction`` KFAC averages A over every position instead; see
+        :mod:`bayeswrap.core.reductions`). Anything else is returned as it is.
         """
         name = self.last_layer_name
         if name is None or self.output_reduction is None or seen[name][0].dim() != 3:
