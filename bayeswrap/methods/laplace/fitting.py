@@ -335,6 +335,12 @@ class CurvatureFitting:
         GGN: the K columns of a factor of Λ_n; Fisher: NLL gradients at the sampled labels, each weighted 1/S;
         empirical Fisher: the NLL gradient at the observed label.
         """
+        return torch.cat(list(self._curvature_vector_chunks(f, y, sampled, whole=True)), 0)
+
+    def _curvature_vector_chunks(self, f: torch.Tensor, y, sampled, whole: bool = False):
+        """:meth:`_curvature_vectors` in chunks: all at once, except the T·V GGN vectors of a token likelihood,
+        ``curvature_chunk_size`` at a time (each chunk one batched backward pass), unless ``whole``.
+        """
         f = f.detach()
         if self.curvature == "ggn":
             vectors = ggn_vectors(self.likelihood, y)
@@ -342,7 +348,10 @@ class CurvatureFitting:
             vectors = nll_gradient_vectors(self.likelihood, sampled, 1.0 / len(sampled))
         else:
             vectors = nll_gradient_vectors(self.likelihood, [y])
-        return torch.cat(list(vectors(f, max(f[0].numel(), len(sampled or ())))), 0)
+        size = max(f[0].numel(), len(sampled or ()))
+        if not whole and is_token_likelihood(self.likelihood):
+            size = self.curvature_chunk_size
+        return vectors(f, size)
 
     def _capture(self) -> LinearCapture:
         """Records the inputs and outputs of the Kron layers (or of the last layer, whose body is not differentiated)."""
@@ -416,8 +425,8 @@ class CurvatureFitting:
             return
         capture = self._capture()
         f, seen = capture.run(lambda inp: self.forward_with(theta, inp), x)
-        v = self._curvature_vectors(f, y, sampled)
-        structure.add(*self._picked_head(x, seen, capture.pullback(f, seen, v)))
+        for i, v in enumerate(self._curvature_vector_chunks(f, y, sampled)):
+            structure.add(*self._picked_head(x, seen, capture.pullback(f, seen, v)), inputs=i == 0)
 
     def _raise_nonfinite_batch(self, index: int, x, y, theta) -> None:
         """Says why the log-likelihood of batch ``index`` is not finite: its inputs, its targets or θ*."""

@@ -145,9 +145,13 @@ class LinearisedPredictive:
             capture = self._capture()
             f, seen = capture.run(lambda inp: self.forward_with(theta, inp), x)
             k = f[0].numel()
-            basis = torch.eye(k, dtype=f.dtype, device=f.device)[:, None].expand(-1, f.shape[0], -1)
-            seen, deltas = self._picked_head(x, seen, capture.pullback(f, seen, basis.reshape(k, *f.shape)))
-            var = structure.functional_variance(seen, deltas, delta)
+            # the unit vectors, all at once (the T·V of a token likelihood: curvature_chunk_size at a time)
+            step = self.curvature_chunk_size if is_token_likelihood(self.likelihood) else k
+            parts = []
+            for basis in basis_vectors()(f, step):
+                picked, deltas = self._picked_head(x, seen, capture.pullback(f, seen, basis))
+                parts.append(structure.functional_variance(picked, deltas, delta))
+            var = None if parts[0] is None else torch.cat(parts)
             var = torch.zeros(k, f.shape[0], dtype=f.dtype, device=f.device) if var is None else var.t()
             f = f.detach()
             if structure.diag_names:  # the diagonal blocks: Σ_i J_{k,i}² v_i over those parameters only
