@@ -55,7 +55,7 @@ target tokens, so its GGN is Σ_t J_tᵀ (diag(p_t) − p_t p_tᵀ) J_t over the
 (:func:`~bayeswrap.methods.laplace.fitting.ggn_vectors`), ``num_data`` and the N/n scaling count target tokens,
 the Kronecker factor A averages over the sequences' positions (KFAC "expand"), and the (empirical) Fisher takes
 each sequence's summed gradient. The exact GGN backpropagates T·V vectors per sequence and the probit GLM
-predictive T·V unit vectors: for a real vocabulary use ``curvature="fisher"`` (one sampled sequence per
+predictive T·V unit vectors (``curvature_chunk_size`` per backward pass): for a real vocabulary use ``curvature="fisher"`` (one sampled sequence per
 example) and ``link_approx="mc"`` (forward-mode linearised samples), which give (B, T, V) probabilities too.
 Computed by the per-layer engine only (``curvature_backend="layers"``).
 
