@@ -177,9 +177,10 @@ def test_bad_token_inputs_are_refused():
         sequence_level.check_outputs(torch.zeros(6, 50))
     with pytest.raises(ValueError, match="'causal_lm', 'token_categorical'"):
         make_likelihood("causal-lm")
-    for method in ("laplace", "laplace_ll_kfac"):  # their curvature reads (B, K) outputs
-        with pytest.raises(ValueError, match=f"likelihood='causal_lm' is not supported by method '{method}'"):
-            bw.wrap(_lm(), method, num_data=10, likelihood="causal_lm")
+    for method in ("laplace", "laplace_ll_kfac"):  # token curvature: the per-layer engine only
+        with pytest.raises(ValueError, match="likelihood='causal_lm' with curvature_backend='vmap'.*accepted: "
+                                             "curvature_backend='layers'"):
+            bw.wrap(_lm(), method, num_data=10, likelihood="causal_lm", curvature_backend="vmap")
     with pytest.raises(ValueError, match="every label is -100"):
         valid_tokens(torch.full((2, 3, 4), 0.25), torch.full((2, 3), -100))
     with pytest.raises(ValueError, match="token label 4 is out of range"):
