@@ -255,12 +255,12 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                     if scaler.get_scale() < scale:  # the step was skipped: no update, nothing to record
                         skipped += 1
                         optimizer.zero_grad(set_to_none=True)
-                        _add_totals(totals, out, loss_value, y, classification, host_totals)
+                        _add_totals(totals, out, loss_value, y, classification, host_totals, bnn.likelihood)
                         bar.update()
                         continue
                 updates += 1
                 bnn.after_step()
-                _add_totals(totals, out, loss_value, y, classification, host_totals)
+                _add_totals(totals, out, loss_value, y, classification, host_totals, bnn.likelihood)
                 if not bar.disable:
                     bar.set_postfix_str(f"loss {totals['loss'] / totals['n']:.3g}{shown}", refresh=False)
                     bar.update()
@@ -411,15 +411,21 @@ def _autocast_dtype(value) -> torch.dtype | None:
                      "or the aliases 'bf16'/'bfloat16' and 'fp16'/'float16'/'half'")
 
 
-def _add_totals(totals: dict, out, loss_value: float, y, classification: bool, host: bool) -> None:
+def _add_totals(totals: dict, out, loss_value: float, y, classification: bool, host: bool,
+                likelihood=None) -> None:
     """Adds one batch's loss, NLL, KL, errors and size to the epoch totals.
+
+    The batch counts by its number of examples, or for a token likelihood (whose NLL is a mean over the
+    batch's target tokens, :mod:`bayeswrap.core.token_likelihoods`) by its number of target tokens, so that
+    ``train_nll`` is the epoch's mean NLL per target token, not a mean of batch means.
 
     ``host=False`` (an accelerator): the NLL, KL and error sums stay float64
     tensors on the device (no sync per step; the same double-precision
     arithmetic as Python floats), and :func:`_totals_as_floats` reads them once
     per epoch. ``host=True`` (CPU): Python numbers, cheaper than tensor ops there.
     """
-    b = y.shape[0]
+    count = getattr(likelihood, "num_targets", None)
+    b = count(y) if count is not None else y.shape[0]
     totals["loss"] += loss_value * b
     if host:
         totals["nll"] += out.nll.item() * b

@@ -163,6 +163,14 @@ def test_bad_init_checkpoint_names_the_file(tmp_path, capsys, kind):
     assert str(path) in err and "Traceback" not in err, err
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One finished MAP run, shared by the refusals below (none of them writes to it)."""
+    out = tmp_path_factory.mktemp("bad_subcommand")
+    assert cli.main(["fit", "--method", "map", "--out-dir", str(out), "--run-name", "run", *FAST]) == 0
+    return out / "run"
+
+
 @pytest.mark.parametrize("args, message", [
     (["evaluate", "RUN", "--num-samples", "abc"], r"--num-samples 'abc' is not valid; accepted: an integer in \[0, 100000\]"),
     (["evaluate", "RUN", "--num-samples", "-1"], r"--num-samples '-1' is not valid"),
@@ -176,17 +184,16 @@ def test_bad_init_checkpoint_names_the_file(tmp_path, capsys, kind):
     (["compare", "--methods", "map,nuts", "--out-dir", "OUTDIR"], r"--methods nuts not known; accepted: map"),
     (["compare", "--num-samples", "0,x", "--out-dir", "OUTDIR"], r"--num-samples '0,x' must be comma-separated"),
 ])
-def test_bad_subcommand_arguments(tmp_path, capsys, args, message):
-    run = tmp_path / "run"
+def test_bad_subcommand_arguments(tmp_path, capsys, finished_run, args, message):
+    run = finished_run
     (tmp_path / "not_a_run").mkdir()
     (tmp_path / "outdir").mkdir()
     x = tmp_path / "x.npy"
     np.save(x, np.zeros((2, 64), dtype=np.float32))
     mapping = {"RUN": str(run), "NOT_A_RUN": str(tmp_path / "not_a_run"), "X": str(x), "OUTDIR": str(tmp_path / "outdir")}
     argv = [mapping.get(a, a) for a in args]
-    if args[0] in ("evaluate", "predict") and args[1] == "RUN":
-        assert cli.main(["fit", "--method", "map", "--out-dir", str(tmp_path), "--run-name", "run", *FAST]) == 0
-        capsys.readouterr()
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in run.iterdir())
     assert cli.main(argv) == 2
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in run.iterdir()) == before  # refused, nothing written
     err = capsys.readouterr().err
     assert re.search(message, err) and "Traceback" not in err, err

@@ -177,9 +177,10 @@ def test_bad_token_inputs_are_refused():
         sequence_level.check_outputs(torch.zeros(6, 50))
     with pytest.raises(ValueError, match="'causal_lm', 'token_categorical'"):
         make_likelihood("causal-lm")
-    for method in ("laplace", "laplace_ll_kfac"):  # their curvature reads (B, K) outputs
-        with pytest.raises(ValueError, match=f"likelihood='causal_lm' is not supported by method '{method}'"):
-            bw.wrap(_lm(), method, num_data=10, likelihood="causal_lm")
+    for method in ("laplace", "laplace_ll_kfac"):  # token curvature: the per-layer engine only
+        with pytest.raises(ValueError, match="likelihood='causal_lm' with curvature_backend='vmap'.*accepted: "
+                                             "curvature_backend='layers'"):
+            bw.wrap(_lm(), method, num_data=10, likelihood="causal_lm", curvature_backend="vmap")
     with pytest.raises(ValueError, match="every label is -100"):
         valid_tokens(torch.full((2, 3, 4), 0.25), torch.full((2, 3), -100))
     with pytest.raises(ValueError, match="token label 4 is out of range"):
@@ -249,3 +250,33 @@ def test_lightning_validation_scores_target_tokens():
     logged = trainer.callback_metrics
     assert float(logged["val_nll"]) == pytest.approx(expected["nll"], rel=1e-5)
     assert float(logged["val_ece"]) == pytest.approx(calibration.ece(probs, targets), abs=1e-6)
+
+
+def test_fit_train_nll_is_the_mean_per_target_token():
+    """``train_nll`` of an epoch weighs each batch by its target tokens: with lr 0 it equals the loader's summed
+    token NLL over its token count (a naive loop), not the mean of the batches' means."""
+    full = _batch()
+    short = {k: v[:2].clone() for k, v in _batch(seed=5).items()}
+    short["labels"][:, :7] = -100  # 2 sequences with 2 target tokens each: batch means differ in weight
+    data = [full, short]
+
+    def sharp_lm():  # larger (tied) embeddings: confident logits, so the two batches' mean NLLs differ
+        model = _lm()
+        with torch.no_grad():
+            model.transformer.wte.weight.mul_(40.0)
+        return model
+
+    bnn = bw.wrap(sharp_lm(), "map", num_data=count_target_tokens(data), likelihood="causal_lm", prior_std=None)
+    history = bw.fit(bnn, data, epochs=1, optimizer=torch.optim.SGD(bnn.parameters(), lr=0.0), progress=False)
+    model, total, count = sharp_lm(), 0.0, 0
+    for batch in data:
+        logits = model(**_inputs(batch)).logits
+        target = batch["labels"][:, 1:]
+        per = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), target, reduction="none")
+        total += per[target != -100].sum().item()
+        count += int((target != -100).sum())
+    assert count == count_target_tokens(data)
+    assert history[-1]["train_nll"] == pytest.approx(total / count, rel=1e-5)
+    means = [bnn.loss(_inputs(b), b["labels"]).nll.item() for b in data]
+    by_sequences = (len(full["labels"]) * means[0] + len(short["labels"]) * means[1]) / 8
+    assert abs(by_sequences - total / count) > 0.01  # what weighing by sequences gave: the weightings differ here

@@ -149,8 +149,8 @@ def test_a_registered_method_appears_in_wrap_the_cli_and_compare(toy, tmp_path, 
 
 
 #: the order methods are listed in (messages, --help, the docs, the main job's table): part of the interface
-LISTING_ORDER = ["map", "vi", "ivon", "mc_dropout", "sgld", "swag", "laplace", "laplace_ll_kfac", "sparse_vd", "kingma_vd",
-                 "lbbnn", "mh", "hmc", "ensemble", "multiswag"]
+LISTING_ORDER = ["map", "vi", "ivon", "mc_dropout", "sgld", "swag", "laplace", "laplace_ll_kfac", "tfb", "sparse_vd",
+                 "kingma_vd", "lbbnn", "mh", "hmc", "ensemble", "multiswag"]
 
 
 def test_the_package_walk_finds_every_method_in_its_listing_order():

@@ -115,6 +115,12 @@ class TokenCategorical(nn.Module):
                              "to score; accepted: batches with at least one label in [0, "
                              f"{v - 1}]{' at positions 1..T-1' if self.shift else ''}")
 
+    def num_targets(self, y: torch.Tensor) -> int:
+        """The number of target tokens of a batch's (B, T) labels (not -100; after the shift), the count its
+        ``"mean"`` NLL divides by.
+        """
+        return int((y[:, 1:] if self.shift else y).ne(IGNORE_INDEX).sum())
+
     def nll(self, outputs: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """Token cross-entropy, ``-100`` ignored.
 

@@ -40,13 +40,14 @@ from bayeswrap.core.layers import LRTLayer
 from bayeswrap.core.likelihoods import make_likelihood
 from bayeswrap.core.modules import check_model_tensors, materialised_copy, storage_free_copy, unwrap_compiled
 from bayeswrap.core.priors import GaussianPrior
+from bayeswrap.core.reductions import check_output_reduction, reduce_output
 from bayeswrap.methods.param_groups import param_groups
 from bayeswrap.methods.predictives import Predictive, Sampled, given_predictive, refuse_options
 from bayeswrap.methods.registry import METHODS, method_option_defaults, register_method  # noqa: F401 (re-exported)
 
 #: the options of :class:`BayesianModel` itself, which every method takes (the rest are a method's own)
 COMMON_OPTIONS = ("num_data", "prior_std", "prior_mean", "bias", "params", "likelihood", "noise_std", "kl_weight",
-                  "chunk_size", "output_key", "label_key", "dict_inputs")
+                  "chunk_size", "output_key", "label_key", "dict_inputs", "output_reduction")
 
 
 class NotFittedError(RuntimeError):
@@ -124,6 +125,11 @@ class BayesianModel(nn.Module, ABC):
         dict_inputs: how dict inputs reach the model: ``"auto"`` (from its ``forward``'s signature),
             ``"kwargs"`` (``model(**inputs)``, a Hugging Face model) or ``"positional"`` (``model(inputs)``, a
             ``forward(self, batch)``); the rule: :mod:`bayeswrap.core.batches`.
+        output_reduction: ``None`` (default: the outputs as the model returns them), or ``"pick_last"`` /
+            ``"pick_first"``: the model's (B, T, K) outputs are read at the last (first) non-padding token of each
+            sequence, by the inputs' ``"attention_mask"`` when they are a mapping that holds one, else at position
+            T − 1 (0): a sequence classifier on a causal LM (laplace-torch's ``feature_reduction="pick_last"``;
+            :mod:`bayeswrap.core.reductions`).
 
     Raises:
         ValueError: on an unknown likelihood or bias option; ``num_data`` or
@@ -204,7 +210,7 @@ class BayesianModel(nn.Module, ABC):
     def __init__(self, model: nn.Module, *, num_data: int, prior_std: float | None = 1.0, prior_mean="init",
                  bias: str = "informative", params: ParamSelector = None, likelihood: str = "categorical",
                  noise_std: float | str = 1.0, kl_weight: float = 1.0, chunk_size: int = 8, output_key: str = "logits",
-                 label_key: str = "labels", dict_inputs: str = "auto"):
+                 label_key: str = "labels", dict_inputs: str = "auto", output_reduction: str | None = None):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -223,6 +229,7 @@ class BayesianModel(nn.Module, ABC):
         self.output_key = _check_key("output_key", output_key)
         self.label_key = _check_key("label_key", label_key)
         self.dict_inputs = check_dict_inputs(dict_inputs)
+        self.output_reduction = check_output_reduction(output_reduction)
         self.likelihood = make_likelihood(likelihood, noise_std)
         if getattr(self.likelihood, "learned", False) and not self.supports_learned_noise:
             raise ValueError(f"noise_std='learn' is not accepted by method {self.method!r}; accepted: a fixed number "
@@ -437,8 +444,9 @@ class BayesianModel(nn.Module, ABC):
         net = self.model
         if self._lrt and any(n in self._lrt_var_names for n in theta):  # moments: sample pre-activations
             net = self._skeleton[1]
-        return call(net, tensors, self.model_buffers.as_dict(), without_key(x, self.label_key), self.output_key,
-                    self.dict_inputs)
+        out = call(net, tensors, self.model_buffers.as_dict(), without_key(x, self.label_key), self.output_key,
+                   self.dict_inputs)
+        return reduce_output(out, x, self.output_reduction)
 
     def forward(self, x, num_samples: int = 0) -> torch.Tensor:
         """Posterior predictive, see :meth:`predict`."""

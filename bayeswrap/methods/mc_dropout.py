@@ -29,6 +29,17 @@ spread lives in the masks, which :meth:`~bayeswrap.BayesianModel.sample_logits` 
 as a function inside a module's ``forward`` (``F.dropout(x, training=self.training)``)
 are not units of a dropout layer and stay off. MC-BatchNorm is not implemented.
 
+On a peft LoRA model whose Bayesian parameters are its adapters (``params="adapters"`` or ``"adapters_A"``, or
+any selection made only of adapter tensors), the dropout kept active is LoRA's own: each LoRA layer computes
+B A (z ⊙ x) / (1 − p) · scaling with its ``lora_dropout`` module (peft's ``LoraConfig(lora_dropout=p)``), which is
+Gal & Ghahramani's Bernoulli dropout of the columns of A, the Bayesian part. Dropout modules of the frozen base
+(a transformer's attention or hidden dropout) are not part of that posterior: they follow the model's mode as any
+other module does (active while :func:`bayeswrap.fit` trains, as in peft's own fine-tuning; off in ``predict``,
+which runs in eval mode), with the probabilities the user set. ``layer_p`` sets the LoRA dropout probability on
+bayeswrap's copy only, replacing peft's ``nn.Identity`` (``lora_dropout=0``) by ``nn.Dropout(layer_p)`` there;
+a LoRA with ``lora_dropout=0`` and no ``layer_p`` is refused. With other ``params`` (e.g. ``None``, which also makes
+a ``modules_to_save`` head Bayesian) every dropout module of the model is kept active, as for any other model.
+
 Reference: Gal & Ghahramani 2016, "Dropout as a Bayesian Approximation:
 Representing Model Uncertainty in Deep Learning", ICML (eqs. 4 and 8).
 """
@@ -41,6 +52,7 @@ import torch
 from torch import nn
 
 from bayeswrap.core import fused
+from bayeswrap.core.adapters import adapter_parameter_names
 from bayeswrap.core.batches import x_device
 from bayeswrap.core.checks import check_bool
 from bayeswrap.core.functional import NamedTensors, is_bias
@@ -53,6 +65,8 @@ BIAS_OPTIONS = ("informative", "uninformative", "gaussian", "spikymix", "ignore"
 MODES = ("params", "layers")
 #: the modules that ``mode="layers"`` keeps active in the predictive (torch's dropout modules)
 DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+#: the attribute of a peft LoRA layer that holds its dropout modules, one per adapter (``nn.Identity`` for p = 0)
+LORA_DROPOUT = "lora_dropout"
 
 
 @register_method("mc_dropout", order=40)
@@ -84,19 +98,23 @@ class MCDropout(BayesianModel):
             active in the predictive, Gal & Ghahramani 2016; the model needs one).
         layer_p: with ``mode="layers"``, the dropout probability in (0, 1) set on every
             dropout module of bayeswrap's copy of the model (never on the model itself);
-            None keeps each module's own p.
+            None keeps each module's own p. On a LoRA model with adapter ``params``: the
+            probability of LoRA's dropout (``lora_dropout``, also where peft left it an
+            ``nn.Identity`` for ``lora_dropout=0``), the base's dropout untouched.
 
     Raises:
         ValueError: if ``p_drop`` is not a number in [0, 1), ``num_train_samples`` not an
             integer ≥ 1, ``bias`` or ``mode`` unknown, ``layer_p`` not None or a number in
             (0, 1) or given with ``mode="params"``; with ``mode="layers"``: a model without
             dropout modules, one whose dropout modules all have p = 0 (and no ``layer_p``),
+            a LoRA model with adapter ``params`` whose ``lora_dropout`` is 0 (and no ``layer_p``),
             or one that could not be copied.
 
     Attributes:
         theta: the kept values m (``mode="layers"``: the weights M), ``{name: Parameter}``.
         dropout_layers: ``mode="layers"``: the names of the dropout modules kept active in
-            the predictive (empty for ``mode="params"``).
+            the predictive (LoRA's ``lora_dropout`` modules on a LoRA model with adapter ``params``;
+            empty for ``mode="params"``).
     """
 
     bias_options = BIAS_OPTIONS
@@ -128,6 +146,8 @@ class MCDropout(BayesianModel):
             raise ValueError(f"mode='layers' switches the dropout modules of bayeswrap's copy of the model, but "
                              f"{type(model).__name__} could not be deep-copied; accepted: a model that "
                              "copy.deepcopy can copy, or mode='params'")
+        if self._adapters_only(model):
+            return self._lora_dropout_layers(model)
         layers = {name: m for name, m in self.model.named_modules() if isinstance(m, DROPOUT_LAYERS)}
         if not layers:
             raise ValueError(f"mode='layers' keeps the model's own dropout modules active, but "
@@ -140,6 +160,35 @@ class MCDropout(BayesianModel):
             raise ValueError(f"mode='layers': every dropout module of the model has p=0 ({list(layers)[:4]}), so "
                              "the samples would all be equal; accepted: layer_p in (0, 1) (e.g. layer_p=0.1), or "
                              "a model whose dropout modules have p > 0")
+        return layers
+
+    def _adapters_only(self, model: nn.Module) -> bool:
+        """Whether the model has LoRA dropout holders and every Bayesian parameter is a peft adapter tensor."""
+        if not any(isinstance(getattr(m, LORA_DROPOUT, None), nn.ModuleDict) for m in model.modules()):
+            return False
+        return set(self.bayesian_names) <= set(adapter_parameter_names(model))
+
+    def _lora_dropout_layers(self, model: nn.Module) -> dict[str, nn.Module]:
+        """LoRA's dropout modules of the copy (``layer_p`` set on them, an ``nn.Identity`` made a dropout)."""
+        layers = {}
+        for mod_name, mod in self.model.named_modules():
+            holder = getattr(mod, LORA_DROPOUT, None)
+            if not isinstance(holder, nn.ModuleDict):
+                continue
+            for key in list(holder.keys()):
+                if self.layer_p is not None:
+                    if isinstance(holder[key], DROPOUT_LAYERS):
+                        holder[key].p = self.layer_p
+                    elif isinstance(holder[key], nn.Identity):  # peft's lora_dropout=0: a dropout on the copy only
+                        holder[key] = nn.Dropout(self.layer_p).train(holder[key].training)
+                if isinstance(holder[key], DROPOUT_LAYERS) and holder[key].p > 0:
+                    layers[f"{mod_name}.{LORA_DROPOUT}.{key}" if mod_name else f"{LORA_DROPOUT}.{key}"] = holder[key]
+        if not layers:
+            raise ValueError(f"mode='layers' with params selecting the adapters keeps LoRA's own dropout active in "
+                             f"the predictive, but every LoRA layer of the {type(model).__name__} has lora_dropout=0 "
+                             "(peft's nn.Identity), so the samples would all be equal; accepted: adapters built with "
+                             "peft.LoraConfig(lora_dropout=0.1), or layer_p in (0, 1) (e.g. layer_p=0.1, set on "
+                             "bayeswrap's copy only)")
         return layers
 
     @property

@@ -192,9 +192,12 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
             ``ModelOutput`` (``"logits"``); a tuple output is read at its first element.
         label_key: the key of the targets in loaders that yield mappings (a Hugging Face data
             collator's ``"labels"``); the other keys are passed to the model as keyword inputs.
-        **method_options_: ``kl_weight``, ``chunk_size`` and ``dict_inputs`` (how dict inputs reach the model:
+        **method_options_: ``kl_weight``, ``chunk_size``, ``dict_inputs`` (how dict inputs reach the model:
             ``"auto"``, ``"kwargs"`` for ``model(**inputs)``, ``"positional"`` for ``model(inputs)``; see
-            :mod:`bayeswrap.core.batches`) for every method, plus
+            :mod:`bayeswrap.core.batches`) and ``output_reduction`` (``None``, or ``"pick_last"`` / ``"pick_first"``:
+            (B, T, K) outputs read at each sequence's last / first non-padding token by the inputs'
+            ``"attention_mask"``, a causal LM as a sequence classifier; :mod:`bayeswrap.core.reductions`) for every
+            method, plus
             the method's own options (:func:`method_options`; the class's docstring describes them):
 
             {method_options}
@@ -222,7 +225,7 @@ def wrap(model, method: str, *, num_data: int, prior_std: float | None = 1.0, pr
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not known; accepted: {tuple(METHODS)}")
-    accepted = ("kl_weight", "chunk_size", "dict_inputs") + method_options(method)
+    accepted = ("kl_weight", "chunk_size", "dict_inputs", "output_reduction") + method_options(method)
     unknown = [k for k in method_options_ if k not in accepted]
     if unknown:
         raise ValueError(f"option(s) {unknown} are not accepted by method {method!r}; accepted: {accepted}")

@@ -105,6 +105,7 @@ from torch import nn
 from bayeswrap.core.batches import batch_pair, check_reiterable, to_device, without_key
 from bayeswrap.core.checks import check_choice, check_float, check_int, check_scale
 from bayeswrap.core.functional import NamedTensors, call
+from bayeswrap.core.reductions import reduce_output
 from bayeswrap.core.samples import RingStore, welford_update_, welford_variance
 from bayeswrap.core.schedules import restore_param_groups
 from bayeswrap.methods.base import NotFittedError, register_method
@@ -655,7 +656,8 @@ class SWAG(MAP):
     def _outputs_with(self, theta: Mapping[str, torch.Tensor], x, buffers: Mapping[str, torch.Tensor]):
         """Outputs under Bayesian parameters ``theta`` with ``buffers`` (recomputed BatchNorm statistics)."""
         tensors = self._call_tensors(theta)
-        return call(self.model, tensors, buffers, without_key(x, self.label_key), self.output_key, self.dict_inputs)
+        out = call(self.model, tensors, buffers, without_key(x, self.label_key), self.output_key, self.dict_inputs)
+        return reduce_output(out, x, self.output_reduction)
 
     def _forward_bn(self, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
         """Outputs under one draw ``theta`` with BatchNorm statistics recomputed for it (Maddox et al. 2019, §4)."""

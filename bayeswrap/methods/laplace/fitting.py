@@ -58,6 +58,8 @@ from bayeswrap.core.batches import batch_size, check_inputs_finite, loader_pair,
 from bayeswrap.core.distributed import all_reduce_sum_
 from bayeswrap.core.functional import nonfinite_names, outside_inference_mode, vmap_over_examples
 from bayeswrap.core.likelihoods import at_least_float32
+from bayeswrap.core.reductions import gather_tokens, token_index
+from bayeswrap.core.token_likelihoods import IGNORE_INDEX, TOKEN_LIKELIHOODS
 from bayeswrap.methods.laplace.curvature import LayerCurvature
 from bayeswrap.methods.laplace.kernels import has_recurrent, native_kernels
 from bayeswrap.methods.laplace.structures import FullPosterior, LinearCapture, delta_of, network_jacobian
@@ -104,7 +106,7 @@ class CurvatureFitting:
 
         return vmap_over_examples(grad(nll_one), in_dims=(None, 0, 0))(theta, x, y)
 
-    def ggn_diagonal(self, x: torch.Tensor, theta=None) -> dict[str, torch.Tensor]:
+    def ggn_diagonal(self, x: torch.Tensor, theta=None, y=None) -> dict[str, torch.Tensor]:
         """Σ_n diag(J_nᵀ Λ_n J_n) over a batch: the exact diagonal GGN, without labels.
 
         Softmax: diag(Jᵀ (diag(p) − ppᵀ) J)_i = Σ_k p_k (J_{k,i} − m_i)² with
@@ -119,14 +121,22 @@ class CurvatureFitting:
         Args:
             x: inputs, (B, ...).
             theta: Bayesian parameters; θ* by default.
+            y: the labels, needed (only) by the token likelihoods, whose Λ_n covers the positions with a target.
 
         Returns:
             ``{name: tensor of the parameter's shape}``, summed over the batch.
+
+        Raises:
+            ValueError: for a token likelihood without ``y``, or with the ``"vmap"`` reference.
         """
         theta = {n: t.detach() for n, t in (theta or self.theta.as_dict()).items()}
         engine = self._layer_engine()
         if engine is not None:
-            return engine.squared_grad_sums(self.forward_with, theta, x, ggn_vectors(self.likelihood))
+            return engine.squared_grad_sums(self.forward_with, theta, x, ggn_vectors(self.likelihood, y))
+        if is_token_likelihood(self.likelihood):
+            raise ValueError(f"likelihood={self.likelihood.name!r}: the exact GGN is computed by the per-layer engine "
+                             "only (curvature_backend='layers', on a model that does not couple the examples of a "
+                             "batch); accepted: curvature_backend='layers', or curvature='fisher'")
         return self._ggn_diagonal_vmap(x, theta)
 
     def _layer_engine(self) -> LayerCurvature | None:
@@ -198,7 +208,8 @@ class CurvatureFitting:
         The model is evaluated in eval mode (BatchNorm uses its running
         statistics, dropout is off) so that per-example quantities are defined.
         Both the curvature and the log-likelihood are scaled by N/n (n the
-        number of examples seen), so that a subset of the training set
+        number of examples seen; of target tokens for the token likelihoods, whose
+        ``num_data`` counts tokens), so that a subset of the training set
         estimates the full-data terms.
 
         Args:
@@ -236,7 +247,8 @@ class CurvatureFitting:
         curv = {n: torch.zeros_like(t) for n, t in theta.items()}
         log_lik = torch.zeros((), dtype=torch.float64, device=device)
         residuals = torch.zeros(2, dtype=torch.float64, device=device)
-        seen = 0
+        seen = 0  # examples (sequences): the Kronecker factor A averages over them
+        units = 0  # what num_data counts: examples, or target tokens for a token likelihood
         structure = self._structure
         diag_wanted = structure is None or bool(getattr(structure, "diag_names", ()))
         if structure is not None:
@@ -249,7 +261,7 @@ class CurvatureFitting:
                                        self.likelihood.name == "categorical")
                     out = self.forward_with(theta, x)
                     self.likelihood.check_targets(out, y)
-                    batch_log_lik = -self.likelihood.nll(out, y, reduction="none").double().sum()
+                    batch_log_lik = -example_nll(self.likelihood, out, y).double().sum()
                     if not bool(torch.isfinite(batch_log_lik)):  # one sync per batch (check_targets syncs anyway)
                         self._raise_nonfinite_batch(index, x, y, theta)
                     log_lik += batch_log_lik
@@ -263,10 +275,11 @@ class CurvatureFitting:
                         self._accumulate_structure(x, y, theta, sampled)
                         if not diag_wanted:
                             seen += batch_size(x)
+                            units += data_units(self.likelihood, x, y)
                             continue
                     with torch.enable_grad():
                         if self.curvature == "ggn":
-                            torch._foreach_add_(list(curv.values()), list(self.ggn_diagonal(x, theta).values()))
+                            torch._foreach_add_(list(curv.values()), list(self.ggn_diagonal(x, theta, y).values()))
                         elif self.curvature == "fisher":
                             sampled = [self.likelihood.sample_targets(out, generator=generator)
                                        for _ in range(self.curvature_samples)]
@@ -274,12 +287,13 @@ class CurvatureFitting:
                         else:
                             self._add_squared_grads(curv, x, y, theta, 1.0)
                     seen += batch_size(x)
+                    units += data_units(self.likelihood, x, y)
                 # data-parallel fits: every rank saw its own shard; the curvature, the log-likelihood and
                 # the example count are sums over examples, so summing them over the ranks gives the full terms
-                count = torch.tensor(float(seen), dtype=torch.float64, device=device)
+                count = torch.tensor([float(seen), float(units)], dtype=torch.float64, device=device)
                 factors = [] if structure is None else [t for t in structure.buffers() if t.is_floating_point()]
                 all_reduce_sum_([*curv.values(), log_lik, count, residuals, *factors])
-                seen = int(round(float(count)))
+                seen, units = (int(round(float(c))) for c in count)
             finally:
                 self.train(was_training)
         if seen == 0:
@@ -289,7 +303,7 @@ class CurvatureFitting:
             raise FloatingPointError(f"the curvature of parameter {bad[0]!r} is non-finite (NaN or inf) after {seen} "
                                      "examples with finite inputs and log-likelihood (the squared gradients overflow; "
                                      "is θ* diverged?); the posterior was left unchanged")
-        scale = self.num_data / seen
+        scale = self.num_data / units
         if structure is not None:
             if isinstance(structure, FullPosterior):
                 structure.finish(scale)
@@ -321,14 +335,23 @@ class CurvatureFitting:
         GGN: the K columns of a factor of Λ_n; Fisher: NLL gradients at the sampled labels, each weighted 1/S;
         empirical Fisher: the NLL gradient at the observed label.
         """
+        return torch.cat(list(self._curvature_vector_chunks(f, y, sampled, whole=True)), 0)
+
+    def _curvature_vector_chunks(self, f: torch.Tensor, y, sampled, whole: bool = False):
+        """:meth:`_curvature_vectors` in chunks: all at once, except the T·V GGN vectors of a token likelihood,
+        ``curvature_chunk_size`` at a time (each chunk one batched backward pass), unless ``whole``.
+        """
         f = f.detach()
         if self.curvature == "ggn":
-            vectors = ggn_vectors(self.likelihood)
+            vectors = ggn_vectors(self.likelihood, y)
         elif self.curvature == "fisher":
             vectors = nll_gradient_vectors(self.likelihood, sampled, 1.0 / len(sampled))
         else:
             vectors = nll_gradient_vectors(self.likelihood, [y])
-        return torch.cat(list(vectors(f, max(f[0].numel(), len(sampled or ())))), 0)
+        size = max(f[0].numel(), len(sampled or ()))
+        if not whole and is_token_likelihood(self.likelihood):
+            size = self.curvature_chunk_size
+        return vectors(f, size)
 
     def _capture(self) -> LinearCapture:
         """Records the inputs and outputs of the Kron layers (or of the last layer, whose body is not differentiated)."""
@@ -336,6 +359,23 @@ class CurvatureFitting:
             return LinearCapture({self.last_layer_name: self.model.get_submodule(self.last_layer_name)},
                                  detach_input=True)
         return LinearCapture({n: self.model.get_submodule(n) for n in self._structure.layers})
+
+    def _picked_head(self, x, seen, deltas):
+        """Last layer with ``output_reduction``: the head's input a (B, T, D) and pulled-back vectors (M, B, T, K)
+        read at the token the outputs are read at, (B, D) and (M, B, K) (laplace-torch's ``feature_reduction``).
+
+        The outputs depend on the head only through that token, so the vectors are zero at every other position and
+        the per-example Jacobian δ_{n,t_n} ã_{n,t_n}ᵀ is unchanged; the Kronecker factor A = (1/n) Σ_n a aᵀ then
+        averages the picked features only, as laplace-torch's last-layer KFAC does on a network that pools the
+        features before its head (its ``feature_reduction`` KFAC averages A over every position instead; see
+        :mod:`bayeswrap.core.reductions`). Anything else is returned as it is.
+        """
+        name = self.last_layer_name
+        if name is None or self.output_reduction is None or seen[name][0].dim() != 3:
+            return seen, deltas
+        a, z = seen[name]
+        index = token_index(x, a.shape[:2], self.output_reduction, a.device)
+        return {name: (gather_tokens(a, index), z)}, {name: gather_tokens(deltas[name], index, dim=2)}
 
     def _example_slices(self, x) -> list[slice]:
         """Slices of ``curvature_chunk_size`` examples (bounds the (c, K, P) Jacobians of ``"full"`` over all)."""
@@ -360,7 +400,8 @@ class CurvatureFitting:
             v = torch.eye(k, dtype=f.dtype, device=f.device)[:, None].expand(-1, f.shape[0], -1).reshape(k, *f.shape)
         else:
             v = vectors(f)
-        d = capture.pullback(f, seen, v)[self.last_layer_name]
+        seen, deltas = self._picked_head(x, seen, capture.pullback(f, seen, v))
+        d = deltas[self.last_layer_name]
         a = seen[self.last_layer_name][0]
         if a.dim() != 2:
             raise ValueError(f"subset_of_weights='last_layer' with hessian_structure='full' needs the last layer's "
@@ -384,8 +425,8 @@ class CurvatureFitting:
             return
         capture = self._capture()
         f, seen = capture.run(lambda inp: self.forward_with(theta, inp), x)
-        v = self._curvature_vectors(f, y, sampled)
-        structure.add(seen, capture.pullback(f, seen, v))
+        for i, v in enumerate(self._curvature_vector_chunks(f, y, sampled)):
+            structure.add(*self._picked_head(x, seen, capture.pullback(f, seen, v)), inputs=i == 0)
 
     def _raise_nonfinite_batch(self, index: int, x, y, theta) -> None:
         """Says why the log-likelihood of batch ``index`` is not finite: its inputs, its targets or θ*."""
@@ -416,6 +457,10 @@ class CurvatureFitting:
                                             nll_gradient_vectors(self.likelihood, ys, weight))
             torch._foreach_add_(list(acc.values()), [sums[n] for n in acc])
             return
+        if is_token_likelihood(self.likelihood):  # per_example_grads would take each sequence's mean token NLL
+            raise ValueError(f"likelihood={self.likelihood.name!r}: the (empirical) Fisher of a token likelihood is "
+                             "computed by the per-layer engine only, which this model cannot use (it couples the "
+                             "examples of a batch); accepted: a model without BatchNorm in training mode")
         for y1 in ys:
             for start in range(0, batch_size(x), self.curvature_chunk_size):
                 sl = slice(start, start + self.curvature_chunk_size)
@@ -492,24 +537,36 @@ def nll_gradient_vectors(likelihood, targets: Iterable[torch.Tensor], weight: fl
             for y in targets[start:start + m]:
                 fd = f.detach().requires_grad_(True)
                 with torch.enable_grad():
-                    (g,) = torch.autograd.grad(likelihood.nll(fd, y, reduction="none").sum(), fd)
+                    (g,) = torch.autograd.grad(example_nll(likelihood, fd, y).sum(), fd)
                 out.append(g * scale if weight != 1.0 else g)
             yield torch.stack(out)
 
     return vectors
 
 
-def ggn_vectors(likelihood) -> Callable[[torch.Tensor, int], Iterator[torch.Tensor]]:
+def ggn_vectors(likelihood, y=None) -> Callable[[torch.Tensor, int], Iterator[torch.Tensor]]:
     """Columns of a factor of the output Hessian, Λ_n = Σ_k s_{n,k} s_{n,k}ᵀ (BackPACK's ``DiagGGNExact``).
 
     Softmax (categorical): s_{n,k} = sqrt(p_{n,k}) (e_k − p_n), with p_n the
     class probabilities; Gaussian: s_{n,k} = e_k / noise_std over the flattened
-    outputs.
+    outputs. Token likelihoods (``"causal_lm"``, ``"token_categorical"``; logits (B, T, V)): the sequence's
+    NLL is a sum over its target positions, so Λ_n is block-diagonal over positions and
+    s_{n,(t,k)} = 1[position t has a target] sqrt(p_{n,t,k}) (e_{t,k} − p_{n,t}) (the logits at t score the
+    label at t + 1 with the causal shift); T·V vectors per sequence, zero at positions without a target.
+
+    Args:
+        likelihood: a bayeswrap likelihood.
+        y: the labels (B, T); needed by the token likelihoods only (which positions have a target).
 
     Returns:
         ``vectors(f, m)`` yielding (m_j, B, *out) chunks of the K vectors
         (K the number of outputs per example).
     """
+    if is_token_likelihood(likelihood):
+        if y is None:
+            raise ValueError(f"likelihood={likelihood.name!r}: the GGN's output Hessian needs the labels (which "
+                             "positions have a target)")
+        return _token_ggn_vectors(likelihood, y)
     categorical = likelihood.name == "categorical"
 
     def vectors(f, m):
@@ -528,6 +585,59 @@ def ggn_vectors(likelihood) -> Callable[[torch.Tensor, int], Iterator[torch.Tens
             yield v.reshape(len(ks), *f.shape)
 
     return vectors
+
+
+def _token_ggn_vectors(likelihood, y) -> Callable[[torch.Tensor, int], Iterator[torch.Tensor]]:
+    """:func:`ggn_vectors` of a token likelihood: (m_j, B, T, V) chunks, one (position, token) pair per vector."""
+
+    def vectors(f, m):
+        length, vocab = f.shape[1], f.shape[2]
+        p = at_least_float32(f).softmax(-1).to(f.dtype)  # (B, T, V)
+        root = p.sqrt() * target_positions(likelihood, y).to(f.dtype).unsqueeze(-1)
+        for start in range(0, length * vocab, m):
+            flat = torch.arange(start, min(start + m, length * vocab), device=f.device)
+            t, k = flat // vocab, flat % vocab
+            column = root[:, t, k].t().unsqueeze(-1) * (F.one_hot(k, vocab).to(f.dtype).unsqueeze(1)
+                                                        - p[:, t].transpose(0, 1))  # (m, B, V)
+            v = f.new_zeros(len(flat), f.shape[0], length, vocab)
+            v[torch.arange(len(flat), device=f.device), :, t] = column
+            yield v
+
+    return vectors
+
+
+def is_token_likelihood(likelihood) -> bool:
+    """Whether the likelihood scores (B, T, V) logits token by token (``"causal_lm"``, ``"token_categorical"``)."""
+    return likelihood.name in TOKEN_LIKELIHOODS
+
+
+def target_positions(likelihood, y: torch.Tensor) -> torch.Tensor:
+    """Token likelihoods: which positions of the (B, T, V) logits score a label, bool (B, T) (with the causal shift,
+    position t when label t + 1 is not -100; the last position never).
+    """
+    present = y != IGNORE_INDEX
+    if likelihood.shift:
+        return torch.cat([present[:, 1:], torch.zeros_like(present[:, :1])], 1)
+    return present
+
+
+def example_nll(likelihood, f: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """−log p(y_n | f_n) per example, (B,): for a token likelihood the sum over the sequence's target tokens (its
+    ``reduction="none"`` is that times B / the batch's number of targets).
+    """
+    per = likelihood.nll(f, y, reduction="none")
+    if not is_token_likelihood(likelihood):
+        return per
+    return per * (target_positions(likelihood, y).sum() / per.shape[0])
+
+
+def data_units(likelihood, x, y) -> int:
+    """What ``num_data`` counts in a batch: its examples, or its target tokens for a token likelihood
+    (:mod:`bayeswrap.core.token_likelihoods`).
+    """
+    if is_token_likelihood(likelihood):
+        return int(target_positions(likelihood, y).sum())
+    return batch_size(x)
 
 
 def basis_vectors() -> Callable[[torch.Tensor, int], Iterator[torch.Tensor]]:

@@ -47,7 +47,7 @@ from bayeswrap.core.batches import check_inputs_finite, take, unsqueeze
 from bayeswrap.core.checks import check_choice
 from bayeswrap.core.functional import outside_inference_mode, vmap_over_examples
 from bayeswrap.core.likelihoods import at_least_float32
-from bayeswrap.methods.laplace.fitting import basis_vectors
+from bayeswrap.methods.laplace.fitting import basis_vectors, is_token_likelihood
 from bayeswrap.methods.laplace.kernels import has_recurrent, native_kernels
 from bayeswrap.methods.laplace.structures import FullPosterior
 from bayeswrap.methods.predictives import Predictive, refuse_options
@@ -145,9 +145,13 @@ class LinearisedPredictive:
             capture = self._capture()
             f, seen = capture.run(lambda inp: self.forward_with(theta, inp), x)
             k = f[0].numel()
-            basis = torch.eye(k, dtype=f.dtype, device=f.device)[:, None].expand(-1, f.shape[0], -1)
-            deltas = capture.pullback(f, seen, basis.reshape(k, *f.shape))
-            var = structure.functional_variance(seen, deltas, delta)
+            # the unit vectors, all at once (the T·V of a token likelihood: curvature_chunk_size at a time)
+            step = self.curvature_chunk_size if is_token_likelihood(self.likelihood) else k
+            parts = []
+            for basis in basis_vectors()(f, step):
+                picked, deltas = self._picked_head(x, seen, capture.pullback(f, seen, basis))
+                parts.append(structure.functional_variance(picked, deltas, delta))
+            var = None if parts[0] is None else torch.cat(parts)
             var = torch.zeros(k, f.shape[0], dtype=f.dtype, device=f.device) if var is None else var.t()
             f = f.detach()
             if structure.diag_names:  # the diagonal blocks: Σ_i J_{k,i}² v_i over those parameters only
@@ -300,7 +304,7 @@ class GLM(Predictive):
             return super().predict(bnn, x, num_samples, generator)
         f_mu, f_var = bnn._functional_moments(x)
         bnn.likelihood.check_outputs(f_mu)
-        if bnn.likelihood.name == "categorical":
+        if bnn.likelihood.name == "categorical" or is_token_likelihood(bnn.likelihood):  # softmax over the last dim
             kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8.0 * f_var)
             return at_least_float32(kappa * f_mu).softmax(-1)
         return f_mu, f_var + bnn.likelihood.noise_std**2

@@ -33,10 +33,38 @@ The method is one class over files of one concept each:
 * :mod:`bayeswrap.methods.laplace.structures` and :mod:`bayeswrap.methods.laplace.curvature`: the full and
   Kronecker-factored posteriors, and the per-layer curvature engine.
 
+Laplace-LoRA (Yang et al. 2024) is this class on a peft model's adapters:
+
+    bnn = bw.wrap(peft_model, "laplace", params="adapters", hessian_structure="kron", num_data=N)
+    bw.fit(bnn, train_loader, ...)              # MAP on the adapters; after_fit fits the curvature
+    bnn.optimize_prior_precision("marglik")     # the evidence-tuned δ (Immer et al. 2021; MacKay 1992)
+    probs = bnn.predict(batch)                  # the probit GLM predictive over (B, K) logits
+
+LoRA's A (r × in) and B (out × r) are separate ``nn.Linear`` modules, so each gets its own Kronecker factors
+G ⊗ A (:mod:`bayeswrap.methods.laplace.structures`; inputs with token dims are flattened into examples, KFAC
+"expand"); the frozen base is differentiated through but has no posterior. peft's ``modules_to_save`` head stays a
+point estimate with ``params="adapters"`` (``params=None`` makes it Bayesian too). The curvature and the Kronecker
+factors are fp32 for bf16/fp16 adapters (:mod:`bayeswrap.core.adapters`). For a causal LM read as a classifier at
+each sequence's last non-padding token (Yang et al.'s next-token logits over the answer tokens), wrap with
+``output_reduction="pick_last"`` (:mod:`bayeswrap.core.reductions`). Equal to laplace-torch's ``KronLaplace``
+over the same ``requires_grad`` parameters (its LoRA path) to 1e-6 (``tests/test_laplace_lora.py``).
+
+Language-model likelihoods (``likelihood="causal_lm"`` / ``"token_categorical"``, logits (B, T, V) and labels
+(B, T) with -100 ignored; :mod:`bayeswrap.core.token_likelihoods`): a sequence's log-likelihood is the sum over its
+target tokens, so its GGN is Σ_t J_tᵀ (diag(p_t) − p_t p_tᵀ) J_t over the positions t that score a label
+(:func:`~bayeswrap.methods.laplace.fitting.ggn_vectors`), ``num_data`` and the N/n scaling count target tokens,
+the Kronecker factor A averages over the sequences' positions (KFAC "expand"), and the (empirical) Fisher takes
+each sequence's summed gradient. The exact GGN backpropagates T·V vectors per sequence and the probit GLM
+predictive T·V unit vectors (``curvature_chunk_size`` per backward pass): for a real vocabulary use ``curvature="fisher"`` (one sampled sequence per
+example) and ``link_approx="mc"`` (forward-mode linearised samples), which give (B, T, V) probabilities too.
+Computed by the per-layer engine only (``curvature_backend="layers"``).
+
 References:
     MacKay 1992, "A practical Bayesian framework for backpropagation networks";
     Ritter et al. 2018; Immer et al. 2021, "Improving predictions of Bayesian neural
-    nets via local linearization"; Daxberger et al. 2021, "Laplace Redux" (laplace-torch).
+    nets via local linearization"; Daxberger et al. 2021, "Laplace Redux" (laplace-torch);
+    Yang, Robeyns, Wang, Aitchison 2024, "Bayesian low-rank adaptation for large language models", ICLR
+    (Laplace-LoRA: KFAC over the LoRA adapters, the prior precision by the marginal likelihood).
 """
 
 from __future__ import annotations
@@ -48,6 +76,7 @@ import torch
 
 from bayeswrap.core.checks import check_choice, check_scale
 from bayeswrap.core.functional import NamedTensors, _mangle
+from bayeswrap.core.token_likelihoods import TOKEN_LIKELIHOODS
 from bayeswrap.methods.base import BayesianModel, NotFittedError, check_int, register_method
 from bayeswrap.methods.laplace.fitting import CURVATURE_BACKENDS, CURVATURES, CurvatureFitting
 from bayeswrap.methods.laplace.glm import LINK_APPROXES, PRED_TYPES, LinearisedPredictive
@@ -69,7 +98,7 @@ from bayeswrap.methods.map import MAP
 #: layer (Daxberger et al. 2021, §5); every model the command line builds from timm or torchvision is above it
 AUTO_LAST_LAYER_ABOVE = 1_000_000
 #: the likelihoods Laplace supports (the heteroscedastic one would need the GGN of Immer et al. 2023)
-LAPLACE_LIKELIHOODS = ("categorical", "gaussian")
+LAPLACE_LIKELIHOODS = ("categorical", "gaussian", *TOKEN_LIKELIHOODS)
 
 
 @register_method("laplace", order=70)
@@ -157,7 +186,8 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
             ``subset_of_weights="last_layer"``, a model without an
             ``nn.Linear`` for ``"last_layer"``, ``hessian_structure="full"``
             over more than ``MAX_FULL_PARAMS`` parameters, or ``"full"``/``"kron"``
-            with a flat bias prior (``bias="uninformative"``).
+            with a flat bias prior (``bias="uninformative"``), or a token likelihood (``"causal_lm"``,
+            ``"token_categorical"``) with ``curvature_backend="vmap"``.
 
     Warns:
         RuntimeWarning: ``hessian_structure="kron"`` with Bayesian parameters
@@ -207,10 +237,10 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
             raise ValueError(f"likelihood='heteroscedastic' is not supported by method 'laplace'; accepted: "
                              f"{LAPLACE_LIKELIHOODS} (for a learned homoscedastic noise: likelihood='gaussian', "
                              "noise_std='learn')")
-        if kwargs.get("likelihood") in ("causal_lm", "token_categorical"):  # its curvature reads (B, K) outputs
-            raise ValueError(f"likelihood={kwargs['likelihood']!r} is not supported by method {self.method!r} yet; "
-                             f"accepted: {LAPLACE_LIKELIHOODS} (a causal LM's sequence classifier, e.g. "
-                             "GPT2ForSequenceClassification's last-token (B, K) logits, with 'categorical')")
+        if kwargs.get("likelihood") in TOKEN_LIKELIHOODS and self.curvature_backend != "layers":
+            raise ValueError(f"likelihood={kwargs['likelihood']!r} with curvature_backend={self.curvature_backend!r}: "
+                             "the token likelihoods' curvature is computed by the per-layer engine only; accepted: "
+                             "curvature_backend='layers'")
         super().__init__(model, **kwargs)
 
     def _init_posterior(self, init):

@@ -411,13 +411,17 @@ class KronPosterior(_Structure):
             t.zero_()
         self._cache = None
 
-    def add(self, seen, deltas) -> None:
-        """Adds Σ a aᵀ and Σ δ δᵀ of one batch (``seen``: {layer: (a, z)}, ``deltas``: {layer: (M, *z.shape)})."""
+    def add(self, seen, deltas, inputs: bool = True) -> None:
+        """Adds Σ a aᵀ and Σ δ δᵀ of one batch (``seen``: {layer: (a, z)}, ``deltas``: {layer: (M, *z.shape)}).
+
+        ``inputs=False`` adds the δ δᵀ only: a further chunk of the same batch's output vectors.
+        """
         for layer in self.layers:
             tokens = seen[layer][0].shape[1:-1].numel()  # KFAC "expand": A averages over the shared positions
             a, d = _flat_rows(seen[layer][0], deltas[layer])
             a, d = a.to(self.A[layer].dtype), d.to(self.G[layer].dtype)  # a bf16 layer's rows into the fp32 factors
-            self.A[layer].addmm_(a.t(), a, alpha=1.0 / tokens)
+            if inputs:
+                self.A[layer].addmm_(a.t(), a, alpha=1.0 / tokens)
             d = d.reshape(-1, d.shape[-1])
             self.G[layer].addmm_(d.t(), d)
 
