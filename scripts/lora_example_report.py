@@ -61,11 +61,15 @@ def comparisons(data: dict) -> dict:
         if row == "map":
             continue
         better, worse = [], []
+        seeds = min(sum(x["status"] == "ok" for x in r["per_seed"]), sum(x["status"] == "ok" for x in ref["per_seed"]))
         for s in data["sets"]:
             for m in ("nll", "ece"):
-                mine, theirs = r[s]["T1"][m]["mean"], ref[s]["TS"][m]["mean"]
-                entry = {"score": f"{SET_LABELS.get(s, s)} {m.upper()}", "value": mine, "reference": theirs}
-                (better if mine < theirs else worse).append(entry)
+                mine, theirs = r[s]["T1"][m], ref[s]["TS"][m]
+                entry = {"score": f"{SET_LABELS.get(s, s)} {m.upper()}", "value": mine["mean"],
+                         "reference": theirs["mean"],
+                         "resolved": seeds > 1 and abs(mine["mean"] - theirs["mean"]) > math.hypot(mine["std"],
+                                                                                             theirs["std"])}
+                (better if entry["value"] < entry["reference"] else worse).append(entry)
         out[row] = {"better": better, "not_better": worse}
     return out
 
@@ -76,12 +80,13 @@ def discussion(data: dict) -> str:
     lines = []
     for row, c in comp.items():
         def fmt(items):
-            return ", ".join(f"{e['score']} ({e['value']:.3f} against {e['reference']:.3f})" for e in items)
+            return ", ".join(f"{e['score']} ({e['value']:.3f} against {e['reference']:.3f}"
+                             + ("" if e["resolved"] else ", within the seeds' spread") + ")" for e in items)
         if not math.isfinite(data["results"][row]["test"]["T1"]["nll"]["mean"]):
             lines.append(f"- {LABELS.get(row, row)}: failed (see the JSON for the message).")
             continue
         beats = f"beats MAP-LoRA + TS on {fmt(c['better'])}" if c["better"] else "beats MAP-LoRA + TS on no score"
-        loses = f"; does not on {fmt(c['not_better'])}" if c["not_better"] else "; on every score"
+        loses = f"; does not on {fmt(c['not_better'])}" if c["not_better"] else ", that is on every score"
         lines.append(f"- {LABELS.get(row, row)} {beats}{loses}.")
     total = 2 * len(data["sets"])
     everywhere = [LABELS.get(r, r) for r, c in comp.items() if len(c["better"]) == total]
@@ -91,23 +96,40 @@ def discussion(data: dict) -> str:
             + (f"{', '.join(everywhere)} beat{'s' if len(everywhere) == 1 else ''} it on all {total}"
                if everywhere else f"no Bayesian adapter beats it on all {total}")
             + (f"; {', '.join(nowhere)} beat{'s' if len(nowhere) == 1 else ''} it on none." if nowhere else ".")
-            + " Differences smaller than the ± std over seeds are not resolved by this run.")
+            + " A difference is marked *within the seeds' spread* where it is smaller than √(std₁² + std₂²) of the "
+            "two ± stds over seeds (or where there is one seed): this run does not resolve it.")
+    narrow = [f"{LABELS.get(row, row)} ({ratio:.1%})" for row, ratio in width_ratios(data).items()
+              if row != "map" and ratio < 0.05]
+    if narrow:
+        lines += ["", f"Posteriors narrower than 5 % of the adapters' RMS, whose samples stay close to their mean: "
+                  f"{', '.join(narrow)} (mean posterior std / RMS of the posterior mean, below)."]
     return "\n".join([head, "", *lines])
+
+
+def width_ratios(data: dict) -> dict[str, float]:
+    """Mean posterior std over the adapters divided by the RMS of their posterior mean, mean over seeds, per row."""
+    out = {}
+    for row, r in data["results"].items():
+        ok = [s for s in r["per_seed"] if s["status"] == "ok"]
+        if ok:
+            out[row] = float(np.mean([s["mean_posterior_std"] / max(s["posterior_mean_rms"], 1e-30) for s in ok]))
+    return out
 
 
 def cost_table(data: dict) -> str:
     """The posterior's mean std over the adapters and the seconds to fine-tune and to score every set, mean over
     seeds, per row.
     """
-    lines = ["| method | optimizer | Bayesian parameters | mean posterior std | fit s | predict s |",
-             "|---|---|---|---|---|---|"]
+    ratios = width_ratios(data)
+    lines = ["| method | optimizer | Bayesian parameters | mean posterior std | std / RMS of the mean | fit s | "
+             "predict s |", "|---|---|---|---|---|---|---|"]
     for row, r in data["results"].items():
         ok = [s for s in r["per_seed"] if s["status"] == "ok"]
         if not ok:
-            lines.append(f"| {row} | failed | | | | |")
+            lines.append(f"| {row} | failed | | | | | |")
             continue
         lines.append(f"| {row} | {ok[0]['optimizer']} | {ok[0]['bayesian_parameters']} | "
-                     f"{np.mean([s['mean_posterior_std'] for s in ok]):.2e} | "
+                     f"{np.mean([s['mean_posterior_std'] for s in ok]):.2e} | {ratios[row]:.1%} | "
                      f"{np.mean([s['fit_seconds'] for s in ok]):.1f} | "
                      f"{np.mean([s['predict_seconds'] for s in ok]):.1f} |")
     return "\n".join(lines)
