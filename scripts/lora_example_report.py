@@ -54,21 +54,26 @@ def table(data: dict, scale_of=lambda row: "T1") -> str:
 
 
 def comparisons(data: dict) -> dict:
-    """For each Bayesian row at T = 1: the scores (NLL and ECE on every set) where it beats MAP-LoRA + TS."""
+    """For each Bayesian row at T = 1: the scores (NLL and ECE on every set) where it beats MAP-LoRA + TS.
+
+    Each entry holds the two means over seeds and whether the difference is *resolved*: the seeds share their splits,
+    so the per-seed differences d are paired, and a difference counts as resolved when |mean d| > 2 · sd(d) / √n
+    (n ≥ 2 seeds where both ran).
+    """
     ref = data["results"]["map"]
+    ref_runs = {x["seed"]: x for x in ref["per_seed"] if x["status"] == "ok"}
     out = {}
     for row, r in data["results"].items():
         if row == "map":
             continue
+        pairs = [(x, ref_runs[x["seed"]]) for x in r["per_seed"] if x["status"] == "ok" and x["seed"] in ref_runs]
         better, worse = [], []
-        seeds = min(sum(x["status"] == "ok" for x in r["per_seed"]), sum(x["status"] == "ok" for x in ref["per_seed"]))
         for s in data["sets"]:
             for m in ("nll", "ece"):
-                mine, theirs = r[s]["T1"][m], ref[s]["TS"][m]
-                entry = {"score": f"{SET_LABELS.get(s, s)} {m.upper()}", "value": mine["mean"],
-                         "reference": theirs["mean"],
-                         "resolved": seeds > 1 and abs(mine["mean"] - theirs["mean"]) > math.hypot(mine["std"],
-                                                                                             theirs["std"])}
+                d = np.array([a["scores"][s]["T1"][m] - b["scores"][s]["TS"][m] for a, b in pairs])
+                entry = {"score": f"{SET_LABELS.get(s, s)} {m.upper()}", "value": r[s]["T1"][m]["mean"],
+                         "reference": ref[s]["TS"][m]["mean"],
+                         "resolved": bool(len(d) > 1 and abs(d.mean()) > 2 * d.std(ddof=1) / math.sqrt(len(d)))}
                 (better if entry["value"] < entry["reference"] else worse).append(entry)
         out[row] = {"better": better, "not_better": worse}
     return out
@@ -81,7 +86,7 @@ def discussion(data: dict) -> str:
     for row, c in comp.items():
         def fmt(items):
             return ", ".join(f"{e['score']} ({e['value']:.3f} against {e['reference']:.3f}"
-                             + ("" if e["resolved"] else ", within the seeds' spread") + ")" for e in items)
+                             + ("" if e["resolved"] else ", not resolved") + ")" for e in items)
         if not math.isfinite(data["results"][row]["test"]["T1"]["nll"]["mean"]):
             lines.append(f"- {LABELS.get(row, row)}: failed (see the JSON for the message).")
             continue
@@ -89,19 +94,29 @@ def discussion(data: dict) -> str:
         loses = f"; does not on {fmt(c['not_better'])}" if c["not_better"] else ", that is on every score"
         lines.append(f"- {LABELS.get(row, row)} {beats}{loses}.")
     total = 2 * len(data["sets"])
-    everywhere = [LABELS.get(r, r) for r, c in comp.items() if len(c["better"]) == total]
+
+    def resolved(c, key):
+        return [e["score"] for e in c[key] if e["resolved"]]
+
+    everywhere = [f"{LABELS.get(r, r)} ({len(resolved(c, 'better'))} of them resolved)" for r, c in comp.items()
+                  if len(c["better"]) == total]
     nowhere = [LABELS.get(r, r) for r, c in comp.items() if not c["better"]]
     head = (f"Against MAP-LoRA + temperature scaling (mean over seeds, NLL and ECE on the {len(data['sets'])} test "
             f"sets, {total} scores): "
             + (f"{', '.join(everywhere)} beat{'s' if len(everywhere) == 1 else ''} it on all {total}"
                if everywhere else f"no Bayesian adapter beats it on all {total}")
             + (f"; {', '.join(nowhere)} beat{'s' if len(nowhere) == 1 else ''} it on none." if nowhere else ".")
-            + " A difference is marked *within the seeds' spread* where it is smaller than √(std₁² + std₂²) of the "
-            "two ± stds over seeds (or where there is one seed): this run does not resolve it.")
+            + " A difference is marked *not resolved* where the paired per-seed differences d (the seeds share their "
+            "splits) give |mean d| ≤ 2 · sd(d) / √n, or where there is one seed. Resolved:")
+    for row, c in comp.items():
+        won, lost = resolved(c, "better"), resolved(c, "not_better")
+        head += (f" {LABELS.get(row, row)} better on {', '.join(won) or 'nothing'}"
+                 f" and worse on {', '.join(lost) or 'nothing'};")
+    head = head[:-1] + "."
     narrow = [f"{LABELS.get(row, row)} ({ratio:.1%})" for row, ratio in width_ratios(data).items()
-              if row != "map" and ratio < 0.05]
+              if row != "map" and ratio < 0.10]
     if narrow:
-        lines += ["", f"Posteriors narrower than 5 % of the adapters' RMS, whose samples stay close to their mean: "
+        lines += ["", f"Posteriors narrower than 10 % of the adapters' RMS, whose samples stay close to their mean: "
                   f"{', '.join(narrow)} (mean posterior std / RMS of the posterior mean, below)."]
     return "\n".join([head, "", *lines])
 
@@ -138,7 +153,7 @@ def cost_table(data: dict) -> str:
 def plot(data: dict, path: Path) -> None:
     """NLL and ECE of every row (and MAP-LoRA + TS) on every test set, grouped bars with ± std."""
     rows = table_rows(data)
-    fig = new_figure(figsize=(10, 3.6), layout="constrained")
+    fig = new_figure(figsize=(10, 3.9), layout="constrained")
     axes = fig.subplots(1, 2)
     width = 0.8 / len(data["sets"])
     for ax, metric in zip(axes, ("nll", "ece")):
@@ -150,7 +165,8 @@ def plot(data: dict, path: Path) -> None:
         ax.set_xticks(np.arange(len(rows)), [name for name, _, _ in rows], rotation=35, ha="right")
         ax.set_ylabel(metric.upper())
         ax.set_title(f"{metric.upper()} (lower is better)")
-    axes[0].legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncols=len(labels), fontsize=8)
     save_figure(fig, path, dpi=110)
 
 

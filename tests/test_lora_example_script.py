@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,6 +95,7 @@ def test_the_discussion_is_derived_from_the_numbers(fast_run):
             assert entry["value"] == data["results"][row][name]["T1"][metric.lower()]["mean"]
             assert entry["reference"] == ref[name]["TS"][metric.lower()]["mean"]
             assert (entry in c["better"]) == (entry["value"] < entry["reference"])
+            assert entry["resolved"] is False  # one seed in fast mode resolves nothing
         assert report.LABELS[row] in text
     assert len(data["comparisons"]) == len(script.ROWS) - 1
 
@@ -106,6 +108,34 @@ def test_the_same_seed_gives_the_same_numbers(fast_run, tmp_path):
     for row in again["results"]:
         first = [s["scores"] for s in data["results"][row]["per_seed"]]
         assert [s["scores"] for s in again["results"][row]["per_seed"]] == first, row
+
+
+def _synthetic(map_ts_nll: list[float], vi_nll: list[float]) -> dict:
+    """A results dict of two rows on one set, per seed, as run_experiment returns it (NLL only varies)."""
+    def runs(values, scale):
+        return [{"seed": k, "status": "ok", "scores": {"test": {scale: {"error": 0.1, "nll": v, "ece": 0.05}}}}
+                for k, v in enumerate(values)]
+
+    def stat(values):
+        return {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1))}
+
+    fixed = {"error": stat([0.1, 0.1]), "ece": stat([0.05, 0.05])}
+    return {"sets": ["test"], "results": {
+        "map": {"per_seed": runs(map_ts_nll, "TS"), "test": {"TS": {**fixed, "nll": stat(map_ts_nll)}}},
+        "vi": {"per_seed": runs(vi_nll, "T1"), "test": {"T1": {**fixed, "nll": stat(vi_nll)}}}}}
+
+
+def test_a_difference_is_resolved_only_when_the_paired_seeds_agree():
+    # seeds vary a lot (0.5 .. 0.9) but VI is 0.02 lower on every one: the paired differences resolve it
+    paired = report.comparisons(_synthetic([0.5, 0.7, 0.9], [0.48, 0.68, 0.88]))["vi"]
+    nll = next(e for e in paired["better"] if e["score"] == "test NLL")
+    assert nll["value"] == pytest.approx(0.68) and nll["reference"] == pytest.approx(0.70) and nll["resolved"]
+    # the same means, but VI lower on one seed and higher on another: not resolved
+    mixed = report.comparisons(_synthetic([0.5, 0.7, 0.9], [0.40, 0.76, 0.88]))["vi"]
+    nll = next(e for e in mixed["better"] if e["score"] == "test NLL")
+    assert nll["value"] == pytest.approx(0.68) and not nll["resolved"]
+    ece = next(e for e in mixed["not_better"] if e["score"] == "test ECE")  # equal: not better, not resolved
+    assert ece["value"] == ece["reference"] and not ece["resolved"]
 
 
 def test_tokens_encode_position_and_pattern():
