@@ -85,6 +85,8 @@ ROWS = {
     "laplace": ("laplace", {"hessian_structure": "kron", "curvature_chunk_size": 512}),  # 512 rows: ~33 MB
     "ensemble": ("ensemble", {"num_members": 5}),
     "swag": ("swag", {}),
+    "mc_dropout": ("mc_dropout", {"mode": "layers", "layer_p": 0.1}),  # LoRA's own dropout, on bayeswrap's copy
+    "tfb": ("tfb", {"params": "adapters_A"}),  # MAP-LoRA, then TFB's post-hoc σ on A (default ε)
 }
 PATCH, SIDE = 2, 8
 CLS_ID = (SIDE // PATCH) ** 2 * 2 ** (PATCH * PATCH)  # 256, after the 16 × 16 image tokens

@@ -21,7 +21,8 @@ METRICS = ("error", "nll", "ece")
 #: the reference every Bayesian adapter is compared with
 REFERENCE = "map + TS"
 LABELS = {"map": "MAP-LoRA", REFERENCE: "MAP-LoRA + TS", "vi": "VI", "blob": "BLoB (VI on A)", "ivon": "IVON",
-          "laplace": "Laplace-LoRA (KFAC)", "ensemble": "LoRA ensemble (5)", "swag": "SWAG"}
+          "laplace": "Laplace-LoRA (KFAC)", "ensemble": "LoRA ensemble (5)", "swag": "SWAG",
+          "mc_dropout": "MC dropout (LoRA's dropout)", "tfb": "TFB (post hoc σ on A)"}
 SET_LABELS = {"test": "test", "rotation": "rotated", "noise": "noisy"}
 
 
