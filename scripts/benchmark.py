@@ -25,6 +25,12 @@ interleaved rounds to cancel drift; medians are reported):
    forward), and the all-weights KFAC fit on the digits MLP and a small CNN.
    Both sides' probit predictives and functional variances are compared.
    Without laplace-torch importable its columns are left out, with a note.
+6. ``lora`` (not in the default ``--sections``): a training step of every method on the LoRA adapters
+   (``params="adapters"``, ``likelihood="causal_lm"``; VI, BLoB's ``adapters_A``, IVON, MC dropout through the
+   model's dropout layers, SGLD, SWAG, a 5-member ensemble, Laplace's KFAC fit where it accepts the causal LM)
+   against a plain peft LoRA step (AdamW, the model's own loss) of a GPT-2-small-sized model (random init,
+   batch 8 × 128 tokens, CPU, one thread): interleaved medians with their spread, and the peak RSS of a fresh
+   process per method (:mod:`scripts.benchmarks.lora`). ``--lora-fast`` is a tiny GPT-2 (the test's).
 
 The Markdown has one table per section, with a target column and ``met``/``gap``
 where a target is set. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
@@ -41,6 +47,7 @@ Example::
     python scripts/benchmark.py --models resnet50 --img-size 224 --batch-sizes 16 \\
         --bayesdll-src ../BayesDLL --out figures/benchmark_cpu_r50
     OMP_NUM_THREADS=1 python scripts/benchmark.py --sections laplace --out figures/benchmark_cpu_laplace
+    OMP_NUM_THREADS=1 python scripts/benchmark.py --sections lora --out figures/benchmark_cpu_lora
 """
 
 from __future__ import annotations
@@ -126,6 +133,8 @@ def parse_args(argv=None):
                    help=f"lora section: methods, a subset of {','.join(LORA_METHODS)} (plain is always measured)")
     p.add_argument("--lora-memory-methods", default="",
                    help="lora section: methods whose peak memory is measured (default: every measured method)")
+    p.add_argument("--lora-memory-jobs", type=int, default=2,
+                   help="lora section: memory child processes at a time (each reads its own peak; after the timing)")
     p.add_argument("--lora-batch-size", type=int, default=None, help="lora section: sequences per batch (8; fast: 2)")
     p.add_argument("--lora-seq-len", type=int, default=None, help="lora section: tokens per sequence (128; fast: 16)")
     p.add_argument("--lora-repeats", type=int, default=3, help="lora section: interleaved rounds")

@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -194,20 +195,33 @@ def lora_section(args) -> dict:
         wanted = [m for m in (args.lora_memory_methods or out["methods"]) if m in out["methods"] and m != "laplace"]
         if "plain" not in wanted:
             wanted.insert(0, "plain")
-        mem = {m: lora_peak_memory(args, m) for m in wanted}
+        with ThreadPoolExecutor(max_workers=max(1, args.lora_memory_jobs)) as pool:  # separate processes:
+            mem = dict(zip(wanted, pool.map(lambda m: lora_peak_memory(args, m), wanted)))  # VmHWM is each one's
+        failed = {m: v["error"] for m, v in mem.items() if "error" in v}
+        mem = {m: v for m, v in mem.items() if "error" not in v}
         out["peak_mib"] = {m: v["peak_mib"] for m, v in mem.items()}
         out["before_step_mib"] = {m: v["before_step_mib"] for m, v in mem.items()}
-        out["memory_ratio"] = {m: v / out["peak_mib"]["plain"] for m, v in out["peak_mib"].items()}
-        print(json.dumps({"peak_mib": out["peak_mib"]}), flush=True)
+        if "plain" in mem:
+            out["memory_ratio"] = {m: v / out["peak_mib"]["plain"] for m, v in out["peak_mib"].items()}
+        if failed:
+            out["memory_errors"] = failed
+        print(json.dumps({"peak_mib": out["peak_mib"], "memory_errors": failed}), flush=True)
     return out
 
 
 def lora_peak_memory(args, method: str) -> dict:
-    """Runs :func:`lora_child_memory` for ``method`` in a fresh process; its ``peak_mib`` and ``before_step_mib``."""
+    """Runs :func:`lora_child_memory` for ``method`` in a fresh process.
+
+    Returns:
+        Its ``peak_mib`` and ``before_step_mib``, or ``{"error": ...}`` when the child failed.
+    """
     cmd = [sys.executable, str(SCRIPT), "--child-memory", "lora", method,
            "--lora-batch-size", str(args.lora_batch_size), "--lora-seq-len", str(args.lora_seq_len),
            "--lora-threads", str(args.lora_threads)] + (["--lora-fast"] if args.lora_fast else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:  # e.g. killed for memory: reported, and the other methods are still measured
+        tail = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+        return {"error": f"the memory child failed (exit status {out.returncode}): {tail[:300]}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -240,11 +240,14 @@ def lora_markdown(lora: dict, find) -> list[str]:
     for m in lora["methods"]:
         sp = lora["spread"][m]
         peak, before = lora.get("peak_mib", {}).get(m), lora.get("before_step_mib", {}).get(m)
-        mem = (f"{peak:.0f} MiB | {before:.0f} MiB | {lora['memory_ratio'][m]:.3f}x" if peak else "— | — | —")
+        ratio = lora.get("memory_ratio", {}).get(m)
+        mem = (f"{peak:.0f} MiB | {before:.0f} MiB | " + (f"{ratio:.3f}x" if ratio else "—")) if peak else "— | — | —"
         target, stat = status(find("lora", "GPT-2 LoRA", f"{m} "))
         lines.append(f"| {m} | {sp['median'] * 1e3:.1f} ms | {sp['min'] * 1e3:.1f}–{sp['max'] * 1e3:.1f} ms | "
                      f"{lora['cpu_seconds'][m] * 1e3:.1f} ms | {lora['ratio'][m]:.3f}x | {lora['cpu_ratio'][m]:.3f}x | "
                      f"{mem} | {target} | {stat} |")
+    for m, why in lora.get("memory_errors", {}).items():
+        lines.append(f"| {m} | peak memory not measured: {why} | — | — | — | — | — | — | — | — | — |")
     for m, why in lora.get("skipped", {}).items():
         lines.append(f"| {m} | not measured: {why} | — | — | — | — | — | — | — | — | — |")
     return lines
