@@ -72,7 +72,7 @@ from scripts.benchmarks.bayesdll import load_bayesdll
 from scripts.benchmarks.curvature import curvature_backends, curvature_section
 from scripts.benchmarks.epoch import mlp_epoch
 from scripts.benchmarks.laplace import laplace_section, load_laplace_torch, probit_agreement
-from scripts.benchmarks.lora import LORA_METHODS, lora_child_memory, lora_section
+from scripts.benchmarks.lora import DEFAULT_LORA_METHODS, LORA_METHODS, lora_child_memory, lora_section
 from scripts.benchmarks.predict import predictive
 from scripts.benchmarks.report import figure, markdown
 from scripts.benchmarks.step import METHODS, child_memory, step_section
@@ -129,7 +129,7 @@ def parse_args(argv=None):
     p.add_argument("--laplace-kron-train", type=int, default=512, help="training examples of the all-weights fit")
     p.add_argument("--laplace-kron-batch-size", type=int, default=64)
     p.add_argument("--laplace-repeats", type=int, default=3)
-    p.add_argument("--lora-methods", default=",".join(LORA_METHODS),
+    p.add_argument("--lora-methods", default=",".join(DEFAULT_LORA_METHODS),
                    help=f"lora section: methods, a subset of {','.join(LORA_METHODS)} (plain is always measured)")
     p.add_argument("--lora-memory-methods", default="",
                    help="lora section: methods whose peak memory is measured (default: every measured method)")

@@ -123,7 +123,7 @@ def test_benchmark_lora_section(tmp_path, one_thread, capsys):
 
     out = tmp_path / "lora"
     result = benchmark.main(["--sections", "lora", "--lora-fast", "--lora-repeats", "1", "--lora-warmup", "0",
-                             "--no-memory", "--out", str(out)])
+                             "--no-memory", "--lora-methods", ",".join(lora.LORA_METHODS), "--out", str(out)])
     assert json.loads(out.with_suffix(".json").read_text())["lora"]["methods"] == result["lora"]["methods"]
     r = result["lora"]
     assert set(r["methods"]) | set(r["skipped"]) == set(lora.LORA_METHODS)

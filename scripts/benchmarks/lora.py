@@ -15,8 +15,10 @@ of random token ids (``--lora-batch-size`` 8 × ``--lora-seq-len`` 128) that are
   ``mc_dropout`` is ``mode="layers"`` (the model's own dropout, LoRA's included); ``sgld`` is past burn-in and
   keeps a draw every 10th step (its default thinning); ``swag`` collects every step (its most expensive setting);
   ``ensemble`` is 5 MAP members of the adapters (``bw.wrap(..., "ensemble", num_members=5)``), one step of all
-  five; ``laplace`` is not a training step: the time is one KFAC fit over one batch (``fit_curvature``), reported
-  only where the method accepts the causal-LM likelihood (otherwise a note says why not).
+  five (vmapped: its step holds the five members' activations, about 15 GB of resident memory at these sizes
+  on a base copied per member); ``laplace`` (only when asked for, :data:`DEFAULT_LORA_METHODS`) is not a training
+  step: the time is one KFAC fit over one batch (``fit_curvature``), reported only where the method accepts the
+  causal-LM likelihood (otherwise a row says why not).
 
 Time: wall-clock and process CPU time (robust to other load on a shared machine) of one step, in interleaved rounds
 in one process (every method once per round, so drift of the machine's speed cancels in the ratios), one
@@ -28,7 +30,9 @@ optimizer's state are allocated), resets the kernel's resident-set high-water ma
 runs a second step and reads ``VmHWM``: the peak resident set of a training step, including the Python and torch
 runtime, the model's weights and everything the method adds. The resident set before the second step is reported
 too, so the step's own transient memory (peak minus that) can be read off. RSS counts memory the allocator has
-touched, not what live tensors hold, so it overstates neither method specifically; it is what the machine pays.
+touched, not only what live tensors hold; the children fix glibc's mmap threshold at 128 KiB
+(``MALLOC_MMAP_THRESHOLD_``), so freed tensors are returned to the system rather than kept in the heap and the
+resident set follows the tensors closely. It is what the machine pays, the same way for every method.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -51,6 +56,9 @@ from scripts.benchmarks.timing import interleaved
 
 #: every method of the section, ``plain`` first
 LORA_METHODS = ("plain", "map", "vi", "vi_blob", "ivon", "mc_dropout", "sgld", "swag", "ensemble", "laplace")
+#: the methods ``--lora-methods`` measures by default: not ``laplace``, whose KFAC fit over a causal LM's
+#: vocabulary-sized outputs is not cheap (``--lora-methods ...,laplace`` asks for it; on main it is refused)
+DEFAULT_LORA_METHODS = tuple(m for m in LORA_METHODS if m != "laplace")
 #: the members of the ensemble row
 LORA_ENSEMBLE_MEMBERS = 5
 #: the learning rate of every step (AdamW, IVON, SGLD)
@@ -61,6 +69,8 @@ LORA_NUM_DATA = 10_000
 LORA_CONFIG = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "target_modules": ["c_attn"]}
 #: the tiny configuration of ``--lora-fast`` (the test's)
 FAST_SIZES = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 101, "n_positions": 32}
+#: bytes: the memory children's glibc mmap threshold (its default start, fixed: see :func:`lora_peak_memory`)
+MMAP_THRESHOLD = 128 * 1024
 #: the script whose ``--child-memory lora METHOD`` mode measures one method's peak memory in a fresh process
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmark.py"
 
@@ -218,7 +228,11 @@ def lora_peak_memory(args, method: str) -> dict:
     cmd = [sys.executable, str(SCRIPT), "--child-memory", "lora", method,
            "--lora-batch-size", str(args.lora_batch_size), "--lora-seq-len", str(args.lora_seq_len),
            "--lora-threads", str(args.lora_threads)] + (["--lora-fast"] if args.lora_fast else [])
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    # a fixed mmap threshold turns off glibc's dynamic one, which after the first step keeps freed tensors of up to
+    # 32 MiB in the heap: every tensor over 128 KiB is then mapped on allocation and returned on free, so the
+    # resident set follows what the tensors hold rather than what the allocator kept
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:  # e.g. killed for memory: reported, and the other methods are still measured
         tail = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
         return {"error": f"the memory child failed (exit status {out.returncode}): {tail[:300]}"}
