@@ -27,7 +27,7 @@ interleaved rounds to cancel drift; medians are reported):
    Without laplace-torch importable its columns are left out, with a note.
 6. ``lora`` (not in the default ``--sections``): a training step of every method on the LoRA adapters
    (``params="adapters"``, ``likelihood="causal_lm"``; VI, BLoB's ``adapters_A``, IVON, MC dropout through the
-   model's dropout layers, SGLD, SWAG, a 5-member ensemble, Laplace's KFAC fit where it accepts the causal LM)
+   model's dropout layers, SGLD, SWAG, a 5-member ensemble; on request Laplace's KFAC fit, where it accepts the causal LM)
    against a plain peft LoRA step (AdamW, the model's own loss) of a GPT-2-small-sized model (random init,
    batch 8 × 128 tokens, CPU, one thread): interleaved medians with their spread, and the peak RSS of a fresh
    process per method (:mod:`scripts.benchmarks.lora`). ``--lora-fast`` is a tiny GPT-2 (the test's).
