@@ -25,6 +25,12 @@ interleaved rounds to cancel drift; medians are reported):
    forward), and the all-weights KFAC fit on the digits MLP and a small CNN.
    Both sides' probit predictives and functional variances are compared.
    Without laplace-torch importable its columns are left out, with a note.
+6. ``lora`` (not in the default ``--sections``): a training step of every method on the LoRA adapters
+   (``params="adapters"``, ``likelihood="causal_lm"``; VI, BLoB's ``adapters_A``, IVON, MC dropout through the
+   model's dropout layers, SGLD, SWAG, a 5-member ensemble; on request Laplace's KFAC fit, where it accepts the causal LM)
+   against a plain peft LoRA step (AdamW, the model's own loss) of a GPT-2-small-sized model (random init,
+   batch 8 × 128 tokens, CPU, one thread): interleaved medians with their spread, and the peak RSS of a fresh
+   process per method (:mod:`scripts.benchmarks.lora`). ``--lora-fast`` is a tiny GPT-2 (the test's).
 
 The Markdown has one table per section, with a target column and ``met``/``gap``
 where a target is set. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
@@ -41,6 +47,7 @@ Example::
     python scripts/benchmark.py --models resnet50 --img-size 224 --batch-sizes 16 \\
         --bayesdll-src ../BayesDLL --out figures/benchmark_cpu_r50
     OMP_NUM_THREADS=1 python scripts/benchmark.py --sections laplace --out figures/benchmark_cpu_laplace
+    OMP_NUM_THREADS=1 python scripts/benchmark.py --sections lora --out figures/benchmark_cpu_lora
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ from scripts.benchmarks.bayesdll import load_bayesdll
 from scripts.benchmarks.curvature import curvature_backends, curvature_section
 from scripts.benchmarks.epoch import mlp_epoch
 from scripts.benchmarks.laplace import laplace_section, load_laplace_torch, probit_agreement
+from scripts.benchmarks.lora import DEFAULT_LORA_METHODS, LORA_METHODS, lora_child_memory, lora_section
 from scripts.benchmarks.predict import predictive
 from scripts.benchmarks.report import figure, markdown
 from scripts.benchmarks.step import METHODS, child_memory, step_section
@@ -121,6 +129,19 @@ def parse_args(argv=None):
     p.add_argument("--laplace-kron-train", type=int, default=512, help="training examples of the all-weights fit")
     p.add_argument("--laplace-kron-batch-size", type=int, default=64)
     p.add_argument("--laplace-repeats", type=int, default=3)
+    p.add_argument("--lora-methods", default=",".join(DEFAULT_LORA_METHODS),
+                   help=f"lora section: methods, a subset of {','.join(LORA_METHODS)} (plain is always measured)")
+    p.add_argument("--lora-memory-methods", default="",
+                   help="lora section: methods whose peak memory is measured (default: every measured method)")
+    p.add_argument("--lora-memory-jobs", type=int, default=2,
+                   help="lora section: memory child processes at a time (each reads its own peak; after the timing)")
+    p.add_argument("--lora-batch-size", type=int, default=None, help="lora section: sequences per batch (8; fast: 2)")
+    p.add_argument("--lora-seq-len", type=int, default=None, help="lora section: tokens per sequence (128; fast: 16)")
+    p.add_argument("--lora-repeats", type=int, default=3, help="lora section: interleaved rounds")
+    p.add_argument("--lora-warmup", type=int, default=1, help="lora section: untimed rounds first")
+    p.add_argument("--lora-threads", type=int, default=1, help="lora section: torch's CPU threads")
+    p.add_argument("--lora-fast", action="store_true",
+                   help="lora section: a tiny GPT-2 (2 layers, width 32) instead of GPT-2-small's sizes (tests)")
     p.add_argument("--out", default="figures/benchmark")
     p.add_argument("--child-memory", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -129,6 +150,15 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"--methods: unknown {unknown}; accepted: {','.join(METHODS)}")
     args.methods = ["plain"] + [m for m in args.methods if m != "plain"]
+    for flag, values, accepted in (("--lora-methods", args.lora_methods, LORA_METHODS),
+                                   ("--lora-memory-methods", args.lora_memory_methods, LORA_METHODS)):
+        chosen = [m for m in values.split(",") if m]
+        if set(chosen) - set(accepted):
+            p.error(f"{flag}: unknown {sorted(set(chosen) - set(accepted))}; accepted: {','.join(accepted)}")
+        setattr(args, flag[2:].replace("-", "_"), chosen)
+    args.lora_methods = ["plain"] + [m for m in args.lora_methods if m != "plain"]
+    args.lora_batch_size = args.lora_batch_size or (2 if args.lora_fast else 8)
+    args.lora_seq_len = args.lora_seq_len or (16 if args.lora_fast else 128)
     args.curvature_kinds = [k for k in args.curvature_kinds.split(",") if k]
     args.glm_links = [k for k in args.glm_links.split(",") if k]
     for flag, values, accepted in (("--curvature-kinds", args.curvature_kinds, ("ef", "ggn")),
@@ -161,7 +191,7 @@ def main(argv=None) -> dict | None:
     """
     args = parse_args(argv)
     if args.child_memory:
-        return child_memory(args)
+        return lora_child_memory(args) if args.child_memory[0] == "lora" else child_memory(args)
     bdl = load_bayesdll(args.bayesdll_src)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
@@ -186,6 +216,8 @@ def main(argv=None) -> dict | None:
         print(json.dumps({s: r["ratio"] for s, r in result["predict"][args.predict_model].items()}), flush=True)
     if "laplace" in sections:
         result["laplace"] = laplace_section(args, device, load_laplace_torch())
+    if "lora" in sections:
+        result["lora"] = lora_section(args)
     result["targets"] = evaluate_targets(result)
     report = markdown(result)
     write_json(args.out + ".json", result)

@@ -8,7 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
+import bayeswrap as bw
 from scripts import benchmark
 
 BAYESDLL_SRC = Path(os.environ.get("BAYESDLL_SRC", "/work/bayesdll"))
@@ -110,3 +112,41 @@ def test_benchmark_with_bayesdll(tmp_path, one_thread):
     assert ("mlp_epoch", "epoch time vi/bayesdll_vi") in items
     assert any(s == "curvature" and "bayesdll_la" in i for s, i in items)
     assert result["bayesdll"]["commit"] in md
+
+
+def test_benchmark_lora_section(tmp_path, one_thread, capsys):
+    """--sections lora --lora-fast: every method's row (laplace measured or skipped with its reason), ratios to
+    plain, the issue's targets marked; the memory child's JSON; plain and bayeswrap score the same causal-LM NLL."""
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    from scripts.benchmarks import lora
+
+    out = tmp_path / "lora"
+    result = benchmark.main(["--sections", "lora", "--lora-fast", "--lora-repeats", "1", "--lora-warmup", "0",
+                             "--no-memory", "--lora-methods", ",".join(lora.LORA_METHODS), "--out", str(out)])
+    assert json.loads(out.with_suffix(".json").read_text())["lora"]["methods"] == result["lora"]["methods"]
+    r = result["lora"]
+    assert set(r["methods"]) | set(r["skipped"]) == set(lora.LORA_METHODS)
+    assert set(r["methods"]) >= set(lora.LORA_METHODS) - {"laplace"}
+    assert r["ratio"]["plain"] == r["cpu_ratio"]["plain"] == 1.0
+    for key in ("ratio", "cpu_ratio", "seconds", "cpu_seconds"):
+        assert set(r[key]) == set(r["methods"])
+        assert all(math.isfinite(v) and v > 0 for v in r[key].values())
+    assert r["config"]["adapter_params"] == 2 * (8 * 32 + 8 * 3 * 32)  # 2 layers of c_attn: A (8, 32), B (96, 8)
+    items = {c["item"] for c in result["targets"] if c["section"] == "lora"}
+    assert items == {"vi step time / plain", "ivon step time / plain"}  # memory targets need the children
+    md = out.with_suffix(".md").read_text()
+    assert "## LoRA fine-tuning" in md and "| vi_blob |" in md and "| ensemble |" in md
+    # the memory child (run in-process here): the peak of a step is at least the resident set before it
+    capsys.readouterr()
+    benchmark.main(["--child-memory", "lora", "vi", "--lora-fast"])
+    mem = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert mem["peak_mib"] >= mem["before_step_mib"] > 10
+    # like with like: plain peft's loss and bayeswrap's causal_lm NLL of the same model and batch agree
+    model = lora.lora_model(fast=True).eval()
+    x, y = lora.lora_batch(model, 2, 16)
+    bnn = bw.wrap(model, "map", **lora.wrap_options("map")[1]).eval()
+    with torch.no_grad():
+        assert bnn.loss(x, y).nll.item() == pytest.approx(model(**x, labels=y).loss.item(), rel=1e-6)
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--lora-methods", "vi,bogus"])

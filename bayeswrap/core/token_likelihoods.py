@@ -134,8 +134,11 @@ class TokenCategorical(nn.Module):
         Returns:
             A scalar, or (B,).
         """
-        logits, target = self._aligned(at_least_float32(outputs), y.long())
-        per = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=IGNORE_INDEX, reduction="none")
+        logits, target = at_least_float32(outputs), y.long()
+        if self.shift:  # shift the labels, not the logits: (B·T, V) stays a view (transformers' ForCausalLMLoss)
+            target = F.pad(target[:, 1:], (0, 1), value=IGNORE_INDEX)
+        per = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX,
+                              reduction="none").reshape(target.shape)
         count = (target != IGNORE_INDEX).sum()
         if reduction == "mean":
             return per.sum() / count

@@ -133,6 +133,8 @@ def markdown(result: dict) -> str:
                                  f"{r['seconds']['plain_forwards'] * 1e3:.1f} ms | {ratio:.2f}x | {target} | {stat} |")
     if result.get("laplace"):
         lines += laplace_markdown(result["laplace"], result["torch"], find)
+    if result.get("lora"):
+        lines += lora_markdown(result["lora"], find)
     if checks:
         met = sum(c["met"] for c in checks)
         lines += ["", f"Targets: {met} of {len(checks)} met."]
@@ -206,6 +208,52 @@ def laplace_markdown(lap: dict, torch_version: str, find) -> list[str]:
             lines.append(f"| {name} | {part.replace('_', ' ')} | {a['probit_max_abs_diff']:.2e} | "
                          f"{a['probit_vs_map_max_abs_diff']:.2e} | {a['f_var_max_rel_diff']:.2e} | "
                          f"{a['f_var_median']:.3g} |")
+    return lines
+
+
+def lora_markdown(lora: dict, find) -> list[str]:
+    """The lora section's table: each method's step time and peak memory, with ratios to plain peft LoRA."""
+    c = lora["config"]
+    size = (f"GPT-2 ({c['n_layer']} layers, width {c['n_embd']}, {c['n_head']} heads, vocabulary {c['vocab_size']}; "
+            f"{c['params'] / 1e6:.1f} M parameters, {c['adapter_params'] / 1e3:.1f} k in the LoRA adapters)")
+    lines = ["", f"## LoRA fine-tuning: each method against plain peft LoRA ({'tiny, --lora-fast' if c['fast'] else ''}"
+             f"{'' if c['fast'] else 'GPT-2-small sizes'}, CPU, {c['threads']} thread)", "",
+             f"{size}, random init; peft LoRA r={c['lora']['r']}, alpha={c['lora']['lora_alpha']}, dropout "
+             f"{c['lora']['lora_dropout']} on {', '.join(c['lora']['target_modules'])}; one batch of "
+             f"{c['batch_size']} × {c['seq_len']} random tokens (their own labels), causal-LM loss. Plain: AdamW "
+             f"(lr {c['lr']:g}) over the peft model's trainable parameters, `model(**x, labels=y).loss`. bayeswrap: "
+             f"`bw.wrap(peft_model, method, num_data={c['num_data']}, params=\"adapters\", "
+             "likelihood=\"causal_lm\")`, `bnn.loss(x, y).loss`, the same AdamW unless the method owns its "
+             "optimizer (IVON, SGLD), `bnn.after_step()`. vi_blob: `params=\"adapters_A\"` (BLoB); "
+             "mc_dropout: `mode=\"layers\"`; sgld: past burn-in, a draw kept every 10th step; swag: collects every "
+             "step; ensemble: 5 MAP members, one step of all; laplace: one KFAC `fit_curvature` over the batch (not "
+             "a training step, no target). Rows not asked for (`--lora-methods`) are absent.",
+             f"Time: medians of {c['repeats']} interleaved rounds after {c['warmup']} warm-up round(s), in one "
+             "process, with the spread (min-max over the rounds) beside each. The targets are read on the ratio of "
+             "process CPU time (one thread: the work done, less affected by other load on a shared machine than "
+             "the wall clock, whose ratio is shown too); a ratio within the rounds' spread of 1 is no measured "
+             "difference.",
+             "Peak memory: a fresh process per method builds the same model and batch, runs one step, resets the "
+             "resident-set high-water mark and reads it (VmHWM) over a second step: the whole process (runtime, "
+             "weights, the method's state, the step's transient tensors), with glibc's mmap threshold fixed at "
+             "128 KiB so that freed tensors leave the resident set. 'before step' is the resident set just before "
+             "that second step (weights, gradients, optimizer and posterior state).", "",
+             "| method | step (wall) | wall spread | CPU time | CPU spread | wall ratio | CPU-time ratio | peak memory "
+             "| before step | memory ratio | target | status |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in lora["methods"]:
+        sp = lora["spread"][m]
+        peak, before = lora.get("peak_mib", {}).get(m), lora.get("before_step_mib", {}).get(m)
+        ratio = lora.get("memory_ratio", {}).get(m)
+        mem = (f"{peak:.0f} MiB | {before:.0f} MiB | " + (f"{ratio:.3f}x" if ratio else "—")) if peak else "— | — | —"
+        target, stat = status(find("lora", "GPT-2 LoRA", f"{m} "))
+        cs = lora["cpu_spread"][m]
+        lines.append(f"| {m} | {sp['median'] * 1e3:.1f} ms | {sp['min'] * 1e3:.1f}–{sp['max'] * 1e3:.1f} ms | "
+                     f"{cs['median'] * 1e3:.1f} ms | {cs['min'] * 1e3:.1f}–{cs['max'] * 1e3:.1f} ms | "
+                     f"{lora['ratio'][m]:.3f}x | {lora['cpu_ratio'][m]:.3f}x | {mem} | {target} | {stat} |")
+    for m, why in lora.get("memory_errors", {}).items():
+        lines.append(f"| {m} | peak memory not measured: {why} |" + " — |" * 10)
+    for m, why in lora.get("skipped", {}).items():
+        lines.append(f"| {m} | not measured: {why} |" + " — |" * 10)
     return lines
 
 

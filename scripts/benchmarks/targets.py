@@ -23,6 +23,9 @@ LAPLACE_TARGETS = {
     "GLM probit / 1 forward": ("<=", 1.5),
     "all-weights KFAC fit / laplace-torch": ("<", 1.0),
 }
+#: lora section: step time (process CPU time, one thread) and peak memory over plain peft LoRA's, per method
+LORA_TIME_TARGETS = {"vi": 1.15, "ivon": 1.15}
+LORA_MEMORY_TARGETS = {"vi": 1.10, "ivon": 1.10, "ensemble": 1.5}
 
 
 def check(value: float, op: str, bound: float) -> dict:
@@ -79,6 +82,13 @@ def evaluate_targets(result: dict) -> list[dict]:
             for item, key in items:
                 if key in r["ratio"]:
                     add("laplace", name, item, r["ratio"][key], *LAPLACE_TARGETS[item])
+    lora = result.get("lora") or {}
+    for m, bound in LORA_TIME_TARGETS.items():
+        if m in lora.get("cpu_ratio", {}):
+            add("lora", "GPT-2 LoRA", f"{m} step time / plain", lora["cpu_ratio"][m], "<=", bound)
+    for m, bound in LORA_MEMORY_TARGETS.items():
+        if m in lora.get("memory_ratio", {}):
+            add("lora", "GPT-2 LoRA", f"{m} peak memory / plain", lora["memory_ratio"][m], "<=", bound)
     return checks
 
 
