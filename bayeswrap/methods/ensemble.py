@@ -66,6 +66,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.utils.checkpoint import checkpoint
 
 from bayeswrap.core.batches import class_labels
 from bayeswrap.core.checks import check_int
@@ -87,7 +88,7 @@ from bayeswrap.methods.reinit import REINIT_ACCEPTED, check_reinit, reinit_param
 from bayeswrap.methods.swag import SWAG
 
 #: accepted values of ``parallel``
-PARALLEL = ("auto", "vmap", "sequential")
+PARALLEL = ("auto", "vmap", "sequential", "checkpoint")
 #: keys of a member's state that the wrapped model's forward may update in place (BatchNorm statistics)
 _MUTABLE_PREFIX = "model_buffers."
 #: keys of a member's frozen tensors, which the members share (one frozen base)
@@ -130,7 +131,13 @@ class Ensemble(BayesianModel):
             ``None`` (default): ``init_seed`` is drawn from torch's global generator, so
             ``torch.manual_seed`` (the command line's ``--seed``) reproduces the members.
         parallel: ``"auto"`` (vmap over members, falling back to one member at a
-            time with a warning), ``"vmap"`` (vmap or an error) or ``"sequential"``.
+            time with a warning), ``"vmap"`` (vmap or an error), ``"sequential"``, or ``"checkpoint"``: one
+            member at a time, each member's forward under activation checkpointing
+            (``torch.utils.checkpoint``, non-reentrant, random state preserved), so that a training step holds
+            the activations of one member instead of M, at the cost of a second forward per member in the
+            backward pass. The memory-bounded choice for large models (a LoRA ensemble of a transformer, whose
+            activations dominate once the members share the frozen base). Refused for models with BatchNorm,
+            whose running statistics the second forward would update twice.
 
     Attributes:
         members: the M member models (an ``nn.ModuleList`` of the member method's class).
@@ -140,7 +147,8 @@ class Ensemble(BayesianModel):
         ValueError: for ``num_members`` < 1, an unknown or unsupported ``member``,
             options the member method does not accept, a ``reinit`` that is not
             one of the forms above (or a pattern that matches no trainable parameter, or
-            chosen parameters none of which has an initialiser), or an unknown ``parallel``.
+            chosen parameters none of which has an initialiser), an unknown ``parallel``, or
+            ``parallel="checkpoint"`` on a model with BatchNorm layers.
 
     Example:
         >>> bnn = bw.wrap(model, "ensemble", num_data=len(train_set), num_members=5)   # deep ensemble
@@ -191,13 +199,20 @@ class Ensemble(BayesianModel):
         if parallel not in PARALLEL:
             raise ValueError(f"parallel={parallel!r} is not accepted; accepted: {PARALLEL}")
         self.parallel = parallel
+        if parallel == "checkpoint":
+            norms = [n for n, m in unwrap_compiled(model).named_modules()
+                     if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+            if norms:
+                raise ValueError(f"parallel='checkpoint' recomputes each member's forward in the backward pass, which "
+                                 f"would update the running statistics of BatchNorm layers {norms[:3]} twice; "
+                                 "accepted for this model: parallel='auto', 'vmap' or 'sequential'")
         self._build = (unwrap_compiled(model), {k: kwargs[k] for k in COMMON_OPTIONS if k in kwargs})
         member_cls = METHODS[member]
         self.required_optimizer = member_cls.required_optimizer
         self.select_best_epoch = member_cls.select_best_epoch
         self.reads_train_loader_after_fit = member_cls.reads_train_loader_after_fit
         self.bias_options = member_cls.bias_options
-        self._vmap_state = "untried" if parallel != "sequential" else "off"
+        self._vmap_state = "untried" if parallel not in ("sequential", "checkpoint") else "off"
         self._state_cache = self._stacked_buffers = None  # the vmapped loss's view of the members' state
         super().__init__(model, **kwargs)
 
@@ -316,7 +331,11 @@ class Ensemble(BayesianModel):
         return self._sequential_loss(x, y)
 
     def _sequential_loss(self, x, y) -> LossOutput:
-        outs = [member.loss(x, y) for member in self.members]
+        if self.parallel == "checkpoint" and torch.is_grad_enabled():
+            outs = [LossOutput(*checkpoint(_loss_fields, member, x, y, use_reentrant=False))
+                    for member in self.members]
+        else:
+            outs = [member.loss(x, y) for member in self.members]
         return LossOutput(sum(o.loss for o in outs), sum(o.nll for o in outs) / len(outs),
                           sum(o.kl for o in outs), self._combine(torch.stack([o.logits for o in outs])))
 
@@ -567,3 +586,8 @@ def _view(t: torch.Tensor) -> tuple:
     separate ``detach()`` views of the wrapped model's parameters).
     """
     return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+def _loss_fields(member: BayesianModel, x, y) -> tuple:
+    """A member's :class:`LossOutput` as a tuple of tensors (what ``torch.utils.checkpoint`` returns)."""
+    return tuple(member.loss(x, y))
