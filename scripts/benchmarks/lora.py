@@ -15,8 +15,9 @@ of random token ids (``--lora-batch-size`` 8 × ``--lora-seq-len`` 128) that are
   ``mc_dropout`` is ``mode="layers"`` (the model's own dropout, LoRA's included); ``sgld`` is past burn-in and
   keeps a draw every 10th step (its default thinning); ``swag`` collects every step (its most expensive setting);
   ``ensemble`` is 5 MAP members of the adapters (``bw.wrap(..., "ensemble", num_members=5)``), one step of all
-  five (vmapped: its step holds the five members' activations, about 15 GB of resident memory at these sizes
-  on a base copied per member); ``laplace`` (only when asked for, :data:`DEFAULT_LORA_METHODS`) is not a training
+  five (vmapped, the default: its step holds the five members' activations; the members share the frozen base);
+  ``ensemble_checkpoint`` is that ensemble with ``parallel="checkpoint"`` (one member at a time under activation
+  checkpointing: one member's activations live, a second forward per member); ``laplace`` (only when asked for, :data:`DEFAULT_LORA_METHODS`) is not a training
   step: the time is one KFAC fit over one batch (``fit_curvature``), reported only where the method accepts the
   causal-LM likelihood (otherwise a row says why not).
 
@@ -55,7 +56,8 @@ from bayeswrap.app import experiments as ex
 from scripts.benchmarks.timing import interleaved
 
 #: every method of the section, ``plain`` first
-LORA_METHODS = ("plain", "map", "vi", "vi_blob", "ivon", "mc_dropout", "sgld", "swag", "ensemble", "laplace")
+LORA_METHODS = ("plain", "map", "vi", "vi_blob", "ivon", "mc_dropout", "sgld", "swag", "ensemble",
+                "ensemble_checkpoint", "laplace")
 #: the methods ``--lora-methods`` measures by default: not ``laplace``, whose KFAC fit over a causal LM's
 #: vocabulary-sized outputs is not cheap (``--lora-methods ...,laplace`` asks for it; on main it is refused)
 DEFAULT_LORA_METHODS = tuple(m for m in LORA_METHODS if m != "laplace")
@@ -109,6 +111,7 @@ ROWS = {"map": ("map", {}),
         "sgld": ("sgld", {"burn_in": 0, "thinning": 10}),
         "swag": ("swag", {"swa_start": 0, "collect_every": 1, "swa_lr": None}),
         "ensemble": ("ensemble", {"num_members": LORA_ENSEMBLE_MEMBERS}),
+        "ensemble_checkpoint": ("ensemble", {"num_members": LORA_ENSEMBLE_MEMBERS, "parallel": "checkpoint"}),
         "laplace": ("laplace", {"hessian_structure": "kron"})}
 
 
