@@ -94,7 +94,7 @@ def test_bad_likelihood_options(kwargs, match):
     ("ensemble", {"likelihood": "gaussian", "noise_std": "learn"}, r"not accepted by method 'ensemble'"),
     ("hmc", {"likelihood": "gaussian", "noise_std": "learn"}, r"not accepted by method 'hmc'"),
     ("laplace", {"likelihood": "heteroscedastic"}, r"not supported by method 'laplace'; accepted: \('categorical', "
-                                                    r"'gaussian'\)"),
+                                                    r"'gaussian', 'causal_lm', 'token_categorical'\)"),
 ])
 def test_unsupported_combinations_are_refused(method, kwargs, match):
     with pytest.raises(ValueError, match=match):
