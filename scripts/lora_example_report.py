@@ -115,7 +115,7 @@ def discussion(data: dict) -> str:
                  f" and worse on {', '.join(lost) or 'nothing'};")
     head = head[:-1] + "."
     narrow = [f"{LABELS.get(row, row)} ({ratio:.1%})" for row, ratio in width_ratios(data).items()
-              if row != "map" and ratio < 0.10]
+              if 0 < ratio < 0.10]  # 0: a point estimate (MAP) or randomness not in the weights' std (dropout)
     if narrow:
         lines += ["", f"Posteriors narrower than 10 % of the adapters' RMS, whose samples stay close to their mean: "
                   f"{', '.join(narrow)} (mean posterior std / RMS of the posterior mean, below)."]
