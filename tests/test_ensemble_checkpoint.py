@@ -91,3 +91,20 @@ def test_checkpoint_refuses_batchnorm_and_names_the_alternatives():
         bw.wrap(copy.deepcopy(net), "ensemble", num_members=2, num_data=10, parallel="checkpoint")
     with pytest.raises(ValueError, match=r"parallel='bogus' is not accepted.*'checkpoint'"):
         bw.wrap(copy.deepcopy(net), "ensemble", num_members=2, num_data=10, parallel="bogus")
+
+
+def test_checkpointed_loss_output_equals_the_sequential_one():
+    """The scalars exactly, the combined outputs (log mean softmax, kept detached) to float rounding."""
+    x, y = data()[0]
+    outs = {}
+    for parallel in ("sequential", "checkpoint"):
+        torch.manual_seed(5)
+        bnn = bw.wrap(lora_mlp(), "ensemble", member="map", num_members=M, num_data=60, params="adapters",
+                      parallel=parallel, init_seed=0)
+        bnn.eval()  # no dropout: the same outputs
+        outs[parallel] = bnn.loss(x, y)
+    ref, got = outs["sequential"], outs["checkpoint"]
+    for a, b in zip(ref[:3], got[:3]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    torch.testing.assert_close(got.logits, ref.logits.detach(), rtol=1e-6, atol=1e-6)
+    assert not got.logits.requires_grad

@@ -332,12 +332,31 @@ class Ensemble(BayesianModel):
 
     def _sequential_loss(self, x, y) -> LossOutput:
         if self.parallel == "checkpoint" and torch.is_grad_enabled():
-            outs = [LossOutput(*checkpoint(_loss_fields, member, x, y, use_reentrant=False))
-                    for member in self.members]
-        else:
-            outs = [member.loss(x, y) for member in self.members]
+            return self._checkpointed_loss(x, y)
+        outs = [member.loss(x, y) for member in self.members]
         return LossOutput(sum(o.loss for o in outs), sum(o.nll for o in outs) / len(outs),
                           sum(o.kl for o in outs), self._combine(torch.stack([o.logits for o in outs])))
+
+    def _checkpointed_loss(self, x, y) -> LossOutput:
+        """The members' losses one at a time, each under activation checkpointing (``parallel="checkpoint"``).
+
+        Only the members' scalar losses stay in the graph: their outputs are combined detached (a running log mean
+        softmax, or mean) and dropped member by member, so that a step holds one member's activations and one
+        output tensor, not M of each (for a causal LM, M × (B, T, V) logits).
+        """
+        probability = self.likelihood.name in PROBABILITY_LIKELIHOODS
+        loss = nll = kl = combined = None
+        for member in self.members:
+            out = LossOutput(*checkpoint(_loss_fields, member, x, y, use_reentrant=False))
+            part = at_least_float32(out.logits.detach())
+            part = part.log_softmax(-1) if probability else part
+            combined = part if combined is None else (torch.logaddexp(combined, part) if probability
+                                                      else combined + part)
+            loss, nll, kl = ((out.loss, out.nll, out.kl) if loss is None
+                             else (loss + out.loss, nll + out.nll, kl + out.kl))
+            del out, part
+        m = len(self.members)
+        return LossOutput(loss, nll / m, kl, combined - math.log(m) if probability else combined / m)
 
     def _vmapped_outputs(self, x) -> tuple[torch.Tensor, torch.Tensor]:
         """Every member's training outputs (M, num_train_samples, B, ·) and regularisers (M,), in one vmap.
