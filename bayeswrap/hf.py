@@ -109,7 +109,14 @@ from bayeswrap.evaluation import calibration
 from bayeswrap.methods.base import BayesianModel
 from bayeswrap.methods.persistence import FORMAT, FORMAT_VERSION, save, storable_wrap_arguments
 from bayeswrap.predictive import model_device, predict_loader, score
-from bayeswrap.training import check_optimizer, diagnose_nonfinite_loss, parameter_label, rng_preserved, step_loss
+from bayeswrap.training import (
+    check_optimizer,
+    check_trainable,
+    diagnose_nonfinite_loss,
+    parameter_label,
+    rng_preserved,
+    step_loss,
+)
 
 __all__ = ["BAYESWRAP_FILE", "BayesianHooks", "BayesianTrainer", "forward_columns", "load_state"]
 
@@ -122,17 +129,6 @@ _REFUSED = {
     "compute_loss_func": "the loss is the Bayesian one, bnn.loss(x, y) (NLL + kl_weight · KL / num_data)",
     "compute_metrics": "evaluate() returns bayeswrap's NLL, error and ECE of the posterior predictive",
 }
-
-
-def _check_bnn(model) -> BayesianModel:
-    """``model`` (unwrapped from ``torch.compile``) if it is a BayesianModel that fit trains, else a ValueError."""
-    bnn = unwrap_compiled(model) if isinstance(model, torch.nn.Module) else model
-    if not isinstance(bnn, BayesianModel):
-        raise ValueError(f"model must be a bayeswrap BayesianModel (model=bw.wrap(model, method, num_data=...)), got "
-                         f"{type(model).__name__}; a plain transformers model trains with transformers.Trainer")
-    if bnn.not_trained_by_fit():
-        raise ValueError(bnn.not_trained_by_fit())
-    return bnn
 
 
 def _raw_optimizer(optimizer):
@@ -286,7 +282,9 @@ class BayesianTrainer(transformers.Trainer):
     loss_is_scaled_for_ga = False
 
     def __init__(self, model=None, args=None, *, eval_num_samples: int = 8, finalize: bool = True, **kwargs):
-        bnn = _check_bnn(model)
+        bnn = check_trainable(unwrap_compiled(model) if isinstance(model, torch.nn.Module) else model, "model",
+                              "model=bw.wrap(model, method, num_data=...)",
+                              "; a plain transformers model trains with transformers.Trainer")
         for name, why in _REFUSED.items():
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name} is not accepted by BayesianTrainer: {why}; accepted: {name}=None")

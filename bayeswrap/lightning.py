@@ -116,19 +116,15 @@ from bayeswrap.methods.base import BayesianModel
 from bayeswrap.methods.persistence import _storable, storable_wrap_arguments
 from bayeswrap.methods.registry import wrap
 from bayeswrap.predictive import model_device, score
-from bayeswrap.training import check_optimizer, diagnose_nonfinite_loss, parameter_label, step_loss
+from bayeswrap.training import (
+    check_optimizer,
+    check_trainable,
+    diagnose_nonfinite_loss,
+    parameter_label,
+    step_loss,
+)
 
 __all__ = ["BayesianCallback", "BayesianModule", "class_path_spec"]
-
-
-def _check_bnn(bnn) -> BayesianModel:
-    """``bnn`` if it is a BayesianModel that :func:`bayeswrap.fit` can train, else a ValueError."""
-    if not isinstance(bnn, BayesianModel):
-        raise ValueError(f"bnn must be a bayeswrap BayesianModel (from bw.wrap(model, method, ...)), got "
-                         f"{type(bnn).__name__}")
-    if bnn.not_trained_by_fit():
-        raise ValueError(bnn.not_trained_by_fit())
-    return bnn
 
 
 #: what each class-path argument of BayesianModule must resolve to, and how it is described in errors
@@ -348,7 +344,7 @@ class BayesianCallback(pl.Callback):
 
     def __init__(self, bnn: BayesianModel, *, finalize: bool = True):
         super().__init__()
-        self.bnn = _check_bnn(bnn)
+        self.bnn = check_trainable(bnn)
         self.finalize = check_bool("finalize", finalize)
         self.start_step = 0  # trainer.global_step when this fit started
         self._stepped = 0  # trainer.global_step at the last after_step
@@ -541,7 +537,7 @@ class BayesianModule(pl.LightningModule):
             if model is not None:
                 raise ValueError(f"both bnn and model={_short(model)} are given; accepted: bnn (a model from "
                                  "bw.wrap) or model with method and wrap_options (BayesianModule wraps it)")
-            bnn = _check_bnn(bnn)
+            bnn = check_trainable(bnn)
             _check_same_wrap(bnn, method, wrap_options)
         else:
             if model is None:
@@ -562,7 +558,7 @@ class BayesianModule(pl.LightningModule):
                                  "load it with load_from_checkpoint(path, bnn=bw.wrap(MyNet(), method, ...))")
             if model_spec is not None:
                 model = _from_spec("model", model_spec)
-            bnn = _check_bnn(wrap(model, method, **wrap_options))
+            bnn = check_trainable(wrap(model, method, **wrap_options))
         self.bnn = bnn
         self.callback = BayesianCallback(bnn, finalize=finalize)  # its hooks run from this module's hooks
         self._outputs: list[tuple] = []  # the evaluation epoch's (predictive, sample probs, targets) per batch

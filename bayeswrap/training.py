@@ -157,12 +157,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             epoch, so a NaN from the last step is caught), naming the parameter
             and the epoch. With early stopping the best state so far is restored.
     """
-    bnn = unwrap_compiled(bnn)
-    if not isinstance(bnn, BayesianModel):
-        raise ValueError(f"bnn must be a bayeswrap BayesianModel (from bw.wrap(model, method, ...)), got "
-                         f"{type(bnn).__name__}")
-    if bnn.not_trained_by_fit():
-        raise ValueError(bnn.not_trained_by_fit())
+    bnn = check_trainable(unwrap_compiled(bnn))
     epochs = check_int("epochs", epochs, minimum=1)
     start_epoch = check_int("start_epoch", start_epoch, minimum=0, maximum=epochs - 1,
                             note=f"the first epoch to train, < epochs={epochs}")
@@ -409,6 +404,23 @@ def _autocast_dtype(value) -> torch.dtype | None:
         return AUTOCAST_DTYPES[key]
     raise ValueError(f"autocast_dtype={value!r} is not accepted; accepted: None, torch.bfloat16, torch.float16, "
                      "or the aliases 'bf16'/'bfloat16' and 'fp16'/'float16'/'half'")
+
+
+def check_trainable(bnn, argument: str = "bnn", how: str = "from bw.wrap(model, method, ...)",
+                    hint: str = "") -> BayesianModel:
+    """``bnn`` if it is a :class:`BayesianModel` that :func:`fit` trains (what ``fit``, ``bayeswrap.lightning`` and
+    ``bayeswrap.hf`` accept).
+
+    Raises:
+        ValueError: naming ``argument`` and the type given, or the method's reason it is not trained by ``fit``
+            (full-batch samplers).
+    """
+    if not isinstance(bnn, BayesianModel):
+        raise ValueError(f"{argument} must be a bayeswrap BayesianModel ({how}), got {type(bnn).__name__}{hint}")
+    reason = bnn.not_trained_by_fit()
+    if reason:
+        raise ValueError(reason)
+    return bnn
 
 
 def _add_totals(totals: dict, out, loss_value: float, y, classification: bool, host: bool,
