@@ -18,6 +18,7 @@ from bayeswrap.core.checks import check_float, check_int
 from bayeswrap.core.functional import nonfinite_names, state_snapshot
 from bayeswrap.core.modules import unwrap_compiled
 from bayeswrap.core.schedules import check_factor
+from bayeswrap.core.token_likelihoods import target_count
 from bayeswrap.methods.base import BayesianModel
 from bayeswrap.predictive import evaluate, model_device
 
@@ -436,8 +437,7 @@ def _add_totals(totals: dict, out, loss_value: float, y, classification: bool, h
     arithmetic as Python floats), and :func:`_totals_as_floats` reads them once
     per epoch. ``host=True`` (CPU): Python numbers, cheaper than tensor ops there.
     """
-    count = getattr(likelihood, "num_targets", None)
-    b = count(y) if count is not None else y.shape[0]
+    b = target_count(likelihood, y)
     totals["loss"] += loss_value * b
     if host:
         totals["nll"] += out.nll.item() * b

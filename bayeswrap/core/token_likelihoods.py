@@ -163,6 +163,14 @@ class TokenCategorical(nn.Module):
         return at_least_float32(outs).softmax(-1).mean(0)
 
 
+def target_count(likelihood, y) -> int:
+    """The number of scored targets of a batch: its target tokens for a token likelihood (what its mean NLL
+    divides by, :meth:`TokenCategorical.num_targets`), else its examples (``y.shape[0]``).
+    """
+    count = getattr(likelihood, "num_targets", None)
+    return count(y) if count is not None else y.shape[0]
+
+
 def count_target_tokens(loader, label_key: str = "labels", shift: bool = True) -> int:
     """The number of target tokens in a loader, the ``num_data`` of a token likelihood.
 

@@ -55,6 +55,7 @@ from bayeswrap.core.batches import check_reiterable
 from bayeswrap.core.checks import check_choice, check_float, check_int
 from bayeswrap.core.functional import outside_inference_mode
 from bayeswrap.core.likelihoods import PROBABILITY_LIKELIHOODS
+from bayeswrap.core.token_likelihoods import target_count
 from bayeswrap.methods.base import register_method
 from bayeswrap.methods.map import MAP
 from bayeswrap.predictive import model_device, predict_loader, score
@@ -302,7 +303,7 @@ class TFB(MAP):
         for index, batch in enumerate(itertools.islice(loader, self.anchor_batches)):
             pred, y = predict_loader(self, [batch], num_samples, generator=generator)
             y = y if targets is None else targets[index]
-            scores, n = score(self, pred, y), len(y)
+            scores, n = score(self, pred, y), target_count(self.likelihood, y)
             nll += scores["nll"] * n
             correct += (1.0 - scores.get("error", 0.0)) * n
             count += n
