@@ -250,10 +250,13 @@ class CurvatureFitting:
         seen = 0  # examples (sequences): the Kronecker factor A averages over them
         units = 0  # what num_data counts: examples, or target tokens for a token likelihood
         structure = self._structure
-        diag_wanted = structure is None or bool(getattr(structure, "diag_names", ()))
+        diag_wanted = (structure is None or bool(getattr(structure, "diag_names", ()))
+                       or getattr(structure, "wants_diagonal", False))
         if structure is not None:
             structure.fitted.fill_(False)
             structure.reset()
+            if hasattr(structure, "prepare"):  # subnetwork: choose the entries; lowrank: draw the first basis
+                structure.prepare(self, train_loader, generator)
         with native_kernels(has_recurrent(self.model)):  # cuDNN's RNN: no backward in eval mode
             try:
                 for index, batch in enumerate(train_loader):
@@ -308,6 +311,9 @@ class CurvatureFitting:
             if isinstance(structure, FullPosterior):
                 structure.finish(scale)
                 diag = structure._split(torch.diagonal(structure.H))
+            elif hasattr(structure, "complete"):  # lowrank: the remaining passes of the subspace iteration
+                diag = structure.complete(self, train_loader, scale,
+                                          {n: scale * c for n, c in curv.items()} if diag_wanted else None)
             else:
                 structure.finish(seen, scale, {n: scale * curv[n] for n in structure.diag_names})
                 diag = {**{w: torch.outer(torch.diagonal(structure.G[layer]),
@@ -412,6 +418,9 @@ class CurvatureFitting:
     def _accumulate_structure(self, x, y, theta, sampled) -> None:
         """Adds one batch to the full H or to the Kron factors."""
         structure = self._structure
+        if hasattr(structure, "accumulate"):  # lowrank: H Q over the batch, matrix-free
+            structure.accumulate(self, x, y, theta, sampled)
+            return
         if isinstance(structure, FullPosterior) and self.last_layer_name is not None:
             _, a, d = self._head_terms(x, theta, lambda f: self._curvature_vectors(f, y, sampled))
             structure.add_features(a, d.to(structure.H.dtype), len(theta) == 2)
