@@ -31,7 +31,11 @@ The method is one class over files of one concept each:
 * :mod:`bayeswrap.methods.laplace.marglik`: the marginal likelihood, the Newton searches for δ (and for a
   learned noise std) and the validation-NLL search;
 * :mod:`bayeswrap.methods.laplace.structures` and :mod:`bayeswrap.methods.laplace.curvature`: the full and
-  Kronecker-factored posteriors, and the per-layer curvature engine.
+  Kronecker-factored posteriors, and the per-layer curvature engine;
+* :mod:`bayeswrap.methods.laplace.lowrank` (``hessian_structure="lowrank"``: the top-k eigenpairs of the GGN by
+  randomised subspace iteration, matrix-free) and :mod:`bayeswrap.methods.laplace.subnetwork`
+  (``subset_of_weights="subnetwork"``: a dense posterior over the highest-scoring entries; Daxberger et al. 2021,
+  ICML).
 
 Laplace-LoRA (Yang et al. 2024) is this class on a peft model's adapters:
 
@@ -230,7 +234,7 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
                  curvature_samples: int = 1, pred_type: str = "glm", link_approx: str = "probit",
                  curvature_backend: str = "layers", hessian_structure: str = "diag",
                  subset_of_weights: str = "auto", low_rank: int = 10, low_rank_diagonal: bool = False,
-                 low_rank_power_iterations: int = 1, n_params_subnet: int | None = None,
+                 low_rank_power_iterations: int = 2, n_params_subnet: int | None = None,
                  subnetwork_score: str = "largest_variance", **kwargs):
         check_choice("curvature", curvature, CURVATURES)
         self.hessian_structure = check_choice("hessian_structure", hessian_structure, HESSIAN_STRUCTURES)

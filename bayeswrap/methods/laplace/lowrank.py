@@ -25,7 +25,8 @@ Algorithms 4.4 and 5.3): with l = min(k + p, P) columns (p = :data:`OVERSAMPLING
 q = ``low_rank_power_iterations`` (2 + q passes over the data in all, the first shared with the log-likelihood).
 When rank(H) ≤ l the subspace holds the whole range of H and the top-k eigenpairs are exact to rounding (e.g. a
 model with fewer training examples × classes than l); otherwise the error of the k-th eigenvalue falls like
-(μ_{l+1}/μ_k)^{2q+1} (Halko et al. 2011, §10). laplace-torch's ``LowRankLaplace`` finds the eigenpairs of the
+(μ_{l+1}/μ_k)^{2q+1} (Halko et al. 2011, §10). In a data-parallel fit every rank sums its shard's products and the sums are
+all-reduced after each pass; Ω must then be drawn alike on every rank (the same ``generator`` seed). laplace-torch's ``LowRankLaplace`` finds the eigenpairs of the
 exact Hessian by deflated power iteration (10·k passes, tolerance 1e-3) through the old ``asdfghjkl`` backend;
 here the eigenpairs are those of the GGN (or empirical Fisher), the curvature the GLM predictive linearises.
 
@@ -58,6 +59,7 @@ import torch
 from torch.func import jvp, vjp, vmap
 
 from bayeswrap.core.batches import loader_pair
+from bayeswrap.core.distributed import all_reduce_sum_
 from bayeswrap.methods.laplace.structures import Delta, _Structure
 
 #: extra columns of the randomised range finder (Halko et al. 2011, §4.2: p = 5 or 10)
@@ -171,6 +173,7 @@ class LowRankPosterior(_Structure):
             diag: the exact (N/n)-scaled diagonal of H (with ``diagonal``), else None.
         """
         theta = {n: t.detach() for n, t in bnn.theta.items()}
+        all_reduce_sum_([self._product])  # data-parallel fits: every rank summed its own shard
         y_mat = self._product * scale
         for _ in range(self.power_iterations + 1):
             self._basis = torch.linalg.qr(y_mat).Q
@@ -199,6 +202,7 @@ class LowRankPosterior(_Structure):
             x, y = loader_pair(batch, f"fit_curvature's loader batch {index}", bnn.label_key, device,
                                bnn.likelihood.name == "categorical")
             total += curvature_product(bnn, x, y, theta, self._basis, self._split)
+        all_reduce_sum_([total])
         return total
 
     # ------------------------------------------------------------------ posterior
