@@ -168,8 +168,9 @@ def test_diagonal_remainder_against_the_dense_posterior(data):
     assert all(float(bnn.log_marginal_likelihood(best)) > float(bnn.log_marginal_likelihood(g)) for g in grid)
 
 
-def test_mc_link_and_state_dict_round_trip(data):
-    """The linearised MC predictive runs on the low-rank draws; a state dict restores the posterior exactly."""
+def test_mc_link_and_state_dict_round_trip(data, tmp_path):
+    """The linearised MC predictive runs on the low-rank draws; a state dict and ``bw.save``/``bw.load`` restore the
+    posterior (options included) exactly."""
     bnn = _ours(data, low_rank=6, low_rank_diagonal=True)
     x = data["x"][:3]
     probs = bnn.predict(x, 64, generator=torch.Generator().manual_seed(0), link_approx="mc")
@@ -179,6 +180,11 @@ def test_mc_link_and_state_dict_round_trip(data):
     fresh.load_state_dict(bnn.state_dict())
     torch.testing.assert_close(fresh.log_marginal_likelihood(), bnn.log_marginal_likelihood(), rtol=0, atol=0)
     torch.testing.assert_close(fresh.predict(x), bnn.predict(x), rtol=0, atol=0)
+    bw.save(bnn, tmp_path / "lowrank.pt")
+    loaded = bw.load(tmp_path / "lowrank.pt", copy.deepcopy(data["net"]))
+    assert (loaded.low_rank, loaded.low_rank_diagonal) == (6, True)
+    torch.testing.assert_close(loaded.log_marginal_likelihood(), bnn.log_marginal_likelihood(), rtol=0, atol=0)
+    torch.testing.assert_close(loaded.predict(x), bnn.predict(x), rtol=0, atol=0)
 
 
 def test_bad_values_are_refused(data):

@@ -127,9 +127,9 @@ def test_precision_evidence_and_probit_equal_laplace_torch(data, delta):
     assert float(bnn.log_marginal_likelihood()) >= float(bnn.log_marginal_likelihood(float(la.prior_precision)))
 
 
-def test_draws_mc_link_and_state_dict(data):
+def test_draws_mc_link_and_state_dict(data, tmp_path):
     """Draws move only the chosen entries, with covariance P_S⁻¹ (20,000 draws, 5e-2 absolute); the MC link runs;
-    a state dict restores the indices and H exactly."""
+    a state dict and ``bw.save``/``bw.load`` restore the indices and H exactly."""
     bnn = _ours(data, 6, "largest_magnitude")
     idx = bnn._structure.indices
     draws = bnn.sample(20_000, generator=torch.Generator().manual_seed(0))
@@ -146,6 +146,10 @@ def test_draws_mc_link_and_state_dict(data):
     fresh.load_state_dict(bnn.state_dict())
     assert torch.equal(fresh._structure.indices, idx)
     torch.testing.assert_close(fresh.predict(data["x"][:3]), bnn.predict(data["x"][:3]), rtol=0, atol=0)
+    bw.save(bnn, tmp_path / "subnet.pt")
+    loaded = bw.load(tmp_path / "subnet.pt", copy.deepcopy(data["net"]))
+    assert torch.equal(loaded._structure.indices, idx) and loaded.n_params_subnet == 6
+    torch.testing.assert_close(loaded.log_marginal_likelihood(), bnn.log_marginal_likelihood(), rtol=0, atol=0)
 
 
 def test_bad_values_are_refused(data):
