@@ -167,3 +167,33 @@ def test_bad_values_are_refused(data):
     bnn = _ours(data, 5, fit=False)
     with pytest.raises(ValueError, match="missing or not of shape"):
         bnn.use_subnetwork_scores({"0.weight": torch.ones(6, 4)})
+
+
+def test_jacobians_only_over_touched_tensors(data):
+    """Scores that pick entries of ``2.weight`` and ``2.bias`` only: the Jacobians are taken over those two tensors,
+    and H_SS is the full structure's H at the chosen rows and columns (1e-12 relative, both float64)."""
+    bnn = _ours(data, 8, fit=False)
+    scores = {n: torch.zeros_like(t) for n, t in bnn.theta.items()}
+    scores["2.weight"][0, :5] = 1.0
+    scores["2.bias"][:] = 2.0
+    bnn.use_subnetwork_scores(scores)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        bnn.fit_curvature(data["loader"])
+        full = bw.wrap(copy.deepcopy(data["net"]), "laplace", num_data=24, prior_mean="zero", hessian_structure="full")
+        full.fit_curvature(data["loader"])
+    assert bnn._structure.jacobian_names() == ["2.weight", "2.bias"]
+    idx = bnn._structure.indices
+    assert idx.tolist() == [30, 31, 32, 33, 34, 48, 49, 50]
+    torch.testing.assert_close(bnn._structure.H, full._structure.H[idx][:, idx], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(bnn.functional_moments(data["x"][:4])[1],
+                               _restricted_variance(full, idx, data["x"][:4]), rtol=1e-10, atol=1e-14)
+
+
+def _restricted_variance(full, idx, x):
+    """diag(J_S (H_SS + I)⁻¹ J_Sᵀ) from the full model's Jacobian (δ = 1)."""
+    theta = {n: t.detach() for n, t in full.theta.items()}
+    jac = torch.func.jacrev(lambda th: full.forward_with(th, x))(theta)
+    j = torch.cat([jac[n].reshape(x.shape[0], 3, -1) for n in theta], -1)[..., idx]
+    cov = torch.linalg.inv(full._structure.H[idx][:, idx] + torch.eye(len(idx), dtype=DT))
+    return torch.einsum("bkp,pq,bkq->bk", j, cov, j)

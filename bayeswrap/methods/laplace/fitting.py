@@ -390,8 +390,13 @@ class CurvatureFitting:
 
     def _jacobian(self, x, theta) -> tuple[torch.Tensor, torch.Tensor]:
         """Outputs f (B, *out) and the per-example Jacobian J (B, K, P) by ``jacrev`` under ``vmap`` (``"full"``, all)."""
+        names = getattr(self._structure, "jacobian_names", None)  # subnetwork: only the tensors it touches
+        wrt, forward = theta, self.forward_with
+        if names is not None:
+            wrt = {n: theta[n] for n in names()}
+            forward = lambda th, inp: self.forward_with({**theta, **th}, inp)  # noqa: E731
         with torch.enable_grad():
-            jac = network_jacobian(self.forward_with, theta, x, max(1, self.curvature_chunk_size))
+            jac = network_jacobian(forward, wrt, x, max(1, self.curvature_chunk_size))
         return self.forward_with(theta, x), jac
 
     def _head_terms(self, x, theta, vectors=None):

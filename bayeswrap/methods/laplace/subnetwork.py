@@ -9,7 +9,8 @@ trainable parameter Bayesian, the order of ``torch.nn.utils.parameters_to_vector
 
 with H_SS = (N/n) Σ_n J_{n,S}ᵀ Λ_n J_{n,S} the curvature (``curvature``: GGN, Monte Carlo GGN or empirical Fisher)
 restricted to the chosen entries: the columns S of the per-example Jacobians (``jacrev`` under ``vmap``,
-``curvature_chunk_size`` examples at a time). Everything of :class:`~bayeswrap.methods.laplace.structures.FullPosterior`
+``curvature_chunk_size`` examples at a time), taken only over the parameter tensors that hold a chosen entry (laplace-
+torch takes them over all P and then picks the columns). Everything of :class:`~bayeswrap.methods.laplace.structures.FullPosterior`
 applies to the n × n block (eigendecomposition, draws, the GLM variance J_S P_S⁻¹ J_Sᵀ); the evidence is
 laplace-torch's ``SubnetLaplace`` one,
 
@@ -51,7 +52,8 @@ SUBNETWORK_SCORES = ("largest_variance", "largest_magnitude")
 
 def subnet_peak_bytes(num_params: int, n_params_subnet: int, *, outputs: int, chunk: int, dtype_bytes: int = 4) -> int:
     """The peak memory estimate of a :class:`SubnetPosterior`, in bytes: H_SS and its eigenvectors (2 n²), the
-    per-example Jacobians of a chunk (chunk · K · P, all entries before the columns are picked) and the scores (P).
+    per-example Jacobians of a chunk (chunk · K · P, at most: they cover the tensors holding a chosen entry) and the
+    scores (P).
     """
     n = n_params_subnet
     return int(dtype_bytes * (2 * n * n + chunk * outputs * num_params + 2 * num_params))
@@ -126,9 +128,20 @@ class SubnetPosterior(FullPosterior):
         full[..., self.indices] = flat
         return self._split_full(full)
 
+    def jacobian_names(self) -> list[str]:
+        """The Bayesian tensors holding a chosen entry, in order: the per-example Jacobians are taken over these
+        only (chunk · K · Σ their sizes, not chunk · K · P).
+        """
+        return [n for n, m in self.mask().items() if bool(m.any())]
+
+    def _local_indices(self) -> torch.Tensor:
+        """The chosen entries' positions in the concatenation of the :meth:`jacobian_names` tensors, (n,)."""
+        parts = [m.reshape(-1) for m in self.mask().values() if bool(m.any())]
+        return torch.cat(parts).nonzero().squeeze(1)
+
     def add_rows(self, rows: torch.Tensor) -> None:
-        """H_SS += R_Sᵀ R_S for per-(vector, example) gradient rows over all entries, R (R, P)."""
-        picked = rows[:, self.indices]
+        """H_SS += R_Sᵀ R_S for per-(vector, example) gradient rows R (R, Σ sizes of :meth:`jacobian_names`)."""
+        picked = rows[:, self._local_indices()]
         self.H.addmm_(picked.t(), picked)
 
     def prior_diagonal(self, delta: Delta) -> torch.Tensor:
@@ -140,8 +153,8 @@ class SubnetPosterior(FullPosterior):
         return full[self.indices]
 
     def functional_variance(self, jac: torch.Tensor, delta: Delta) -> torch.Tensor:
-        """diag(J_S P_S⁻¹ J_Sᵀ): J (B, K, P) over all entries → (B, K)."""
-        return super().functional_variance(jac[..., self.indices], delta)
+        """diag(J_S P_S⁻¹ J_Sᵀ): J (B, K, Σ sizes of :meth:`jacobian_names`) → (B, K)."""
+        return super().functional_variance(jac[..., self._local_indices()], delta)
 
     def log_det_ratio(self, delta: Mapping[str, torch.Tensor], scale=1.0) -> torch.Tensor:
         """The log-determinant ratio log det(scale·H_SS + diag(δ_S)) − Σ_{i∈S} log δ_i, differentiable in ``delta`` ({name: 0-d δ})."""
