@@ -226,8 +226,9 @@ def test_last_layer_is_found_by_timm_torchvision_or_module_order():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"hessian_structure": "lowrank"}, r"hessian_structure='lowrank'.*accepted: \('diag', 'kron', 'full'\)"),
-    ({"subset_of_weights": "subnetwork"}, r"subset_of_weights='subnetwork'.*accepted: \('all', 'last_layer', 'auto'\)"),
+    ({"hessian_structure": "block"}, r"hessian_structure='block'.*accepted: \('diag', 'kron', 'full', 'lowrank'\)"),
+    ({"subset_of_weights": "random"},
+     r"subset_of_weights='random'.*accepted: \('all', 'last_layer', 'subnetwork', 'auto'\)"),
     ({"subset_of_weights": "last_layer", "params": ["0.*"]}, "one of them"),
     ({"hessian_structure": "full", "bias": "uninformative"}, "flat one"),
 ])

@@ -250,10 +250,13 @@ class CurvatureFitting:
         seen = 0  # examples (sequences): the Kronecker factor A averages over them
         units = 0  # what num_data counts: examples, or target tokens for a token likelihood
         structure = self._structure
-        diag_wanted = structure is None or bool(getattr(structure, "diag_names", ()))
+        diag_wanted = (structure is None or bool(getattr(structure, "diag_names", ()))
+                       or getattr(structure, "wants_diagonal", False))
         if structure is not None:
             structure.fitted.fill_(False)
             structure.reset()
+            if hasattr(structure, "prepare"):  # subnetwork: choose the entries; lowrank: draw the first basis
+                structure.prepare(self, train_loader, generator)
         with native_kernels(has_recurrent(self.model)):  # cuDNN's RNN: no backward in eval mode
             try:
                 for index, batch in enumerate(train_loader):
@@ -308,6 +311,9 @@ class CurvatureFitting:
             if isinstance(structure, FullPosterior):
                 structure.finish(scale)
                 diag = structure._split(torch.diagonal(structure.H))
+            elif hasattr(structure, "complete"):  # lowrank: the remaining passes of the subspace iteration
+                diag = structure.complete(self, train_loader, scale,
+                                          {n: scale * c for n, c in curv.items()} if diag_wanted else None)
             else:
                 structure.finish(seen, scale, {n: scale * curv[n] for n in structure.diag_names})
                 diag = {**{w: torch.outer(torch.diagonal(structure.G[layer]),
@@ -384,8 +390,13 @@ class CurvatureFitting:
 
     def _jacobian(self, x, theta) -> tuple[torch.Tensor, torch.Tensor]:
         """Outputs f (B, *out) and the per-example Jacobian J (B, K, P) by ``jacrev`` under ``vmap`` (``"full"``, all)."""
+        names = getattr(self._structure, "jacobian_names", None)  # subnetwork: only the tensors it touches
+        wrt, forward = theta, self.forward_with
+        if names is not None:
+            wrt = {n: theta[n] for n in names()}
+            forward = lambda th, inp: self.forward_with({**theta, **th}, inp)  # noqa: E731
         with torch.enable_grad():
-            jac = network_jacobian(self.forward_with, theta, x, max(1, self.curvature_chunk_size))
+            jac = network_jacobian(forward, wrt, x, max(1, self.curvature_chunk_size))
         return self.forward_with(theta, x), jac
 
     def _head_terms(self, x, theta, vectors=None):
@@ -412,6 +423,9 @@ class CurvatureFitting:
     def _accumulate_structure(self, x, y, theta, sampled) -> None:
         """Adds one batch to the full H or to the Kron factors."""
         structure = self._structure
+        if hasattr(structure, "accumulate"):  # lowrank: H Q over the batch, matrix-free
+            structure.accumulate(self, x, y, theta, sampled)
+            return
         if isinstance(structure, FullPosterior) and self.last_layer_name is not None:
             _, a, d = self._head_terms(x, theta, lambda f: self._curvature_vectors(f, y, sampled))
             structure.add_features(a, d.to(structure.H.dtype), len(theta) == 2)

@@ -129,6 +129,9 @@ class LinearisedPredictive:
         delta = self._delta()
         structure = self._structure
         with self._evaluating():
+            if hasattr(structure, "functional_moments"):  # lowrank: diag(1/a) by the diagonal machinery, C by jvp
+                f, var = structure.functional_moments(self, x, delta)
+                return f.detach(), var.to(f.dtype)
             if isinstance(structure, FullPosterior) and self.last_layer_name is not None:
                 f, a, d = self._head_terms(x, theta)
                 var = structure.feature_variance(a.to(structure.H.dtype), d.to(structure.H.dtype), len(theta) == 2,

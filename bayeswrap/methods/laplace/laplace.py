@@ -31,7 +31,11 @@ The method is one class over files of one concept each:
 * :mod:`bayeswrap.methods.laplace.marglik`: the marginal likelihood, the Newton searches for δ (and for a
   learned noise std) and the validation-NLL search;
 * :mod:`bayeswrap.methods.laplace.structures` and :mod:`bayeswrap.methods.laplace.curvature`: the full and
-  Kronecker-factored posteriors, and the per-layer curvature engine.
+  Kronecker-factored posteriors, and the per-layer curvature engine;
+* :mod:`bayeswrap.methods.laplace.lowrank` (``hessian_structure="lowrank"``: the top-k eigenpairs of the GGN by
+  randomised subspace iteration, matrix-free) and :mod:`bayeswrap.methods.laplace.subnetwork`
+  (``subset_of_weights="subnetwork"``: a dense posterior over the highest-scoring entries; Daxberger et al. 2021,
+  ICML).
 
 Laplace-LoRA (Yang et al. 2024) is this class on a peft model's adapters:
 
@@ -74,12 +78,13 @@ import warnings
 
 import torch
 
-from bayeswrap.core.checks import check_choice, check_scale
+from bayeswrap.core.checks import check_bool, check_choice, check_scale
 from bayeswrap.core.functional import NamedTensors, _mangle
 from bayeswrap.core.token_likelihoods import TOKEN_LIKELIHOODS
 from bayeswrap.methods.base import BayesianModel, NotFittedError, check_int, register_method
 from bayeswrap.methods.laplace.fitting import CURVATURE_BACKENDS, CURVATURES, CurvatureFitting
 from bayeswrap.methods.laplace.glm import LINK_APPROXES, PRED_TYPES, LinearisedPredictive
+from bayeswrap.methods.laplace.lowrank import LowRankPosterior
 from bayeswrap.methods.laplace.marglik import PriorPrecisionSearch, positive_precision
 from bayeswrap.methods.laplace.structures import (
     HESSIAN_STRUCTURES,
@@ -91,6 +96,7 @@ from bayeswrap.methods.laplace.structures import (
     kron_layer,
     last_layer_params,
 )
+from bayeswrap.methods.laplace.subnetwork import SUBNETWORK_SCORES, SubnetPosterior
 from bayeswrap.methods.map import MAP
 
 #: ``subset_of_weights="auto"`` makes only the last layer Bayesian above this many trainable parameters: full-network
@@ -145,8 +151,10 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
         hessian_structure: the posterior precision's structure (laplace-torch's
             name): ``"diag"`` (default), ``"kron"`` (KFAC per ``nn.Linear``
             and ``nn.Conv2d``: weight G ⊗ A and bias G blocks, other
-            parameters diagonal) or ``"full"`` (dense, at most 20,000
-            Bayesian parameters). ``curvature`` chooses what is approximated
+            parameters diagonal), ``"full"`` (dense, at most 20,000
+            Bayesian parameters) or ``"lowrank"`` (the ``low_rank`` leading
+            eigenpairs of H by randomised subspace iteration, matrix-free; see
+            :mod:`bayeswrap.methods.laplace.lowrank`). ``curvature`` chooses what is approximated
             (GGN, Monte Carlo GGN or empirical Fisher) in every structure. See
             :mod:`bayeswrap.methods.laplace.structures`.
         subset_of_weights: ``"auto"`` (default): ``"last_layer"`` for a model with more than
@@ -160,8 +168,26 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
             ``nn.Linear``; see :func:`bayeswrap.core.functional.find_last_layer`); the rest of
             the network is a point estimate, and the ``"full"``/``"kron"``
             curvatures and GLM variances use the head's recorded input
-            features without differentiating the body. After construction
+            features without differentiating the body. ``"subnetwork"`` (with
+            ``hessian_structure="full"``): a dense posterior over the
+            ``n_params_subnet`` entries of the Bayesian parameters with the largest
+            ``subnetwork_score``, the others at the MAP (Daxberger et al. 2021, ICML;
+            :mod:`bayeswrap.methods.laplace.subnetwork`). After construction
             ``subset_of_weights`` holds the resolved choice.
+        low_rank: ``hessian_structure="lowrank"``: k, the eigenpairs of H kept,
+            an integer in [1, P] (P the number of Bayesian parameters; laplace-torch's
+            ``low_rank``).
+        low_rank_diagonal: ``"lowrank"``: also keep the diagonal remainder
+            D = max(0, diag(H) − diag(U diag(λ) Uᵀ)) (the exact diagonal of H
+            where the k directions miss it); P = U diag(λ) Uᵀ + D + δ I.
+        low_rank_power_iterations: ``"lowrank"``: q ≥ 0 subspace iterations
+            (2 + q passes over the training data; Halko et al. 2011, Alg. 4.4).
+        n_params_subnet: ``subset_of_weights="subnetwork"``: n, the entries kept,
+            an integer in [1, min(P, 20,000)] (laplace-torch's name); required there.
+        subnetwork_score: ``"subnetwork"``: ``"largest_variance"`` (default: the
+            variance 1/(h + δ) of the diagonal Laplace posterior) or
+            ``"largest_magnitude"`` (|θ*|); other scores (e.g. SWAG's variances)
+            by :meth:`use_subnetwork_scores`.
 
     Attributes:
         theta: θ* (trained as MAP).
@@ -207,7 +233,9 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
     def __init__(self, model, *, curvature: str = "ggn", curvature_chunk_size: int = 32,
                  curvature_samples: int = 1, pred_type: str = "glm", link_approx: str = "probit",
                  curvature_backend: str = "layers", hessian_structure: str = "diag",
-                 subset_of_weights: str = "auto", **kwargs):
+                 subset_of_weights: str = "auto", low_rank: int = 10, low_rank_diagonal: bool = False,
+                 low_rank_power_iterations: int = 2, n_params_subnet: int | None = None,
+                 subnetwork_score: str = "largest_variance", **kwargs):
         check_choice("curvature", curvature, CURVATURES)
         self.hessian_structure = check_choice("hessian_structure", hessian_structure, HESSIAN_STRUCTURES)
         subset_of_weights = check_choice("subset_of_weights", subset_of_weights, SUBSETS_OF_WEIGHTS + ("auto",))
@@ -220,6 +248,20 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
             subset_of_weights = "all" if kwargs.get("params") is not None or _trainable_count(model) <= \
                 AUTO_LAST_LAYER_ABOVE else "last_layer"
         self.subset_of_weights = subset_of_weights
+        self.low_rank = check_int("low_rank", low_rank, minimum=1)
+        self.low_rank_diagonal = check_bool("low_rank_diagonal", low_rank_diagonal)
+        self.low_rank_power_iterations = check_int("low_rank_power_iterations", low_rank_power_iterations, minimum=0)
+        self.subnetwork_score = check_choice("subnetwork_score", subnetwork_score, SUBNETWORK_SCORES)
+        if subset_of_weights == "subnetwork":
+            if self.hessian_structure != "full":
+                raise ValueError(f"subset_of_weights='subnetwork' keeps a dense posterior over the chosen entries; "
+                                 f"got hessian_structure={self.hessian_structure!r}; accepted: "
+                                 "hessian_structure='full'")
+            if n_params_subnet is None:
+                raise ValueError("subset_of_weights='subnetwork' needs n_params_subnet, the number of parameter "
+                                 "entries of the subnetwork; accepted: an integer >= 1")
+        self.n_params_subnet = None if n_params_subnet is None else check_int("n_params_subnet", n_params_subnet,
+                                                                              minimum=1)
         self.last_layer_name: str | None = None
         if subset_of_weights == "last_layer":
             if kwargs.get("params") is not None:
@@ -264,8 +306,13 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
                              "bias='informative', or hessian_structure='diag'")
         ref = next(iter(init.values()))
         shapes = {n: t.shape for n, t in init.items()}
+        if self.subset_of_weights == "subnetwork":
+            return SubnetPosterior(shapes, self.n_params_subnet, self.subnetwork_score, ref.dtype, ref.device)
         if self.hessian_structure == "full":
             return FullPosterior(shapes, ref.dtype, ref.device)
+        if self.hessian_structure == "lowrank":
+            return LowRankPosterior(shapes, self.low_rank, self.low_rank_diagonal, self.low_rank_power_iterations,
+                                    ref.dtype, ref.device)
         layers, covered = {}, set()
         for name, module in self.model.named_modules():
             if not kron_layer(module):
@@ -423,7 +470,7 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
         if structure is None:
             return torch.diag(torch.cat([(self.curvature_diag[n].double() + delta_of(delta, n)).flatten()
                                          for n in self.curvature_diag]))
-        if isinstance(structure, FullPosterior):
+        if isinstance(structure, (FullPosterior, LowRankPosterior)):  # subnetwork: the (n, n) block of its entries
             return structure.precision(delta).double()
         blocks = {}
         for layer, (w, b) in structure.layers.items():
@@ -436,6 +483,39 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
         diagonal = torch.cat([torch.full((self.theta[n].numel(),), delta_of(delta, n), dtype=h.dtype)
                               for n in self.theta.keys()])
         return h + torch.diag(diagonal.to(h.device))
+
+    def use_subnetwork_scores(self, scores) -> None:
+        """Gives the scores whose top ``n_params_subnet`` entries :meth:`fit_curvature` keeps (``"subnetwork"``).
+
+        E.g. ``bnn.use_subnetwork_scores(subnetwork.swag_variances(swag_bnn))``: the largest-variance subnetwork
+        by SWAG's diagonal variances (laplace-torch's ``LargestVarianceSWAGSubnetMask``). ``None`` goes back to
+        ``subnetwork_score``. Takes effect at the next :meth:`fit_curvature`.
+
+        Args:
+            scores: ``{name: tensor of the parameter's shape}`` for every Bayesian parameter, finite, or None.
+
+        Raises:
+            ValueError: without ``subset_of_weights="subnetwork"``, or on missing names, wrong shapes or
+                non-finite scores.
+        """
+        if not isinstance(self._structure, SubnetPosterior):
+            raise ValueError(f"use_subnetwork_scores needs subset_of_weights='subnetwork'; this model has "
+                             f"subset_of_weights={self.subset_of_weights!r}; accepted: a subnetwork Laplace")
+        if scores is None:
+            self._structure.scores = None
+            return
+        checked = {}
+        for n, t in self.theta.items():
+            value = scores.get(n) if hasattr(scores, "get") else None
+            if value is None or tuple(torch.as_tensor(value).shape) != tuple(t.shape):
+                raise ValueError(f"use_subnetwork_scores: the score of {n!r} is missing or not of shape "
+                                 f"{tuple(t.shape)}; accepted: {{name: tensor}} for every Bayesian parameter "
+                                 f"({list(self.theta.keys())[:4]} ...)")
+            value = torch.as_tensor(value).detach().to(t.device, torch.float64)
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"use_subnetwork_scores: the score of {n!r} has NaN or inf; accepted: finite scores")
+            checked[n] = value
+        self._structure.scores = checked
 
     def _update_posterior_var(self) -> bool:
         """V = 1 / (δ·1[prior] + h); returns whether some parameter has zero precision (kept at v = 0).

@@ -77,13 +77,15 @@ class PriorPrecisionSearch:
         if not names:
             raise ValueError("no Bayesian parameter has a prior (bias='uninformative' leaves only flat priors), "
                              "so the marginal likelihood does not depend on the prior precision")
-        if isinstance(self._structure, FullPosterior):
-            blocks = None
+        if isinstance(self._structure, FullPosterior) or hasattr(self._structure, "log_det_ratio"):
+            blocks = None  # H couples the tensors (full, subnetwork, lowrank)
         elif self._structure is not None:
             blocks = self._structure.block_eigenvalues()
         else:
             blocks = {n: self.curvature_diag[n].detach().double().flatten() for n in names}
-        sq = {n: (self.theta[n].detach().double() - self.prior.mean[n].double()).square().sum() for n in names}
+        sq = {n: (self.theta[n].detach().double() - self.prior.mean[n].double()).square() for n in names}
+        mask = self._structure.mask() if hasattr(self._structure, "mask") else {}  # subnetwork: its entries only
+        sq = {n: (v[mask[n]] if n in mask else v).sum() for n, v in sq.items()}
         return names, blocks, sq, self.train_log_likelihood.double()
 
     @outside_inference_mode
@@ -149,7 +151,9 @@ class PriorPrecisionSearch:
         if blocks is not None:
             return log_lik - 0.5 * (sum(torch.log1p(scale * blocks[n] / d[n]).sum() for n in names) + penalty)
         structure = self._structure
-        if bool((delta == delta[0]).all()) and not delta.requires_grad:  # scalar: H's eigenvalues serve every δ
+        if hasattr(structure, "log_det_ratio"):  # subnetwork, lowrank: their own determinant (differentiable)
+            log_det_ratio = structure.log_det_ratio(d, scale)
+        elif bool((delta == delta[0]).all()) and not delta.requires_grad:  # scalar: H's eigenvalues serve every δ
             log_det_ratio = torch.log1p(scale * structure.eigenvalues() / delta[0]).sum()
         else:
             diagonal = torch.cat([d[n].expand(self.theta[n].numel()) for n in names])
@@ -182,6 +186,8 @@ class PriorPrecisionSearch:
             structure = self._structure
             if isinstance(structure, FullPosterior):
                 structure.H.mul_(factor)
+            elif hasattr(structure, "scale_"):  # lowrank
+                structure.scale_(factor)
             elif structure is not None:
                 torch._foreach_mul_([*structure.G.values(), *structure.h.values()], factor)
             if structure is not None:
@@ -296,6 +302,8 @@ class PriorPrecisionSearch:
         return self.prior_precision
 
     def _maximise_marglik(self) -> float:
+        if getattr(self._structure, "matrix_free", False) and bool(self._structure.D.any()):
+            return float(self._maximise_marglik_autograd("scalar")[0])  # lowrank with D: no eigenvalues of H
         names, blocks, sq, _ = self._marglik_terms()
         h = self._structure.eigenvalues() if blocks is None else torch.cat([blocks[n] for n in names])
         start = self.prior_precision
@@ -325,7 +333,29 @@ class PriorPrecisionSearch:
         delta = float(z[0].exp()) if rows is None else base.index_copy(0, rows, z[:-1].exp())
         return delta, float(z[-1].exp())
 
+    def _maximise_marglik_autograd(self, prior_structure: str) -> torch.Tensor:
+        """Argmax of :meth:`log_marginal_likelihood` over log δ (one, or one per tensor with a prior) by Newton's
+        method with autograd derivatives: the subnetwork and lowrank posteriors, whose determinant is not a sum over
+        eigenvalues of H for every δ.
+        """
+        names, _, _, _ = self._marglik_terms()
+        index = {n: i for i, n in enumerate(self.theta.keys())}
+        base = self._prior_precision.double().clone()
+        rows = torch.tensor(sorted({index[n] for n in names}))
+        start = base[rows].log().mean().reshape(1) if prior_structure == "scalar" else base[rows].log()
+        low = torch.full_like(start, math.log(MARGLIK_BOUNDS[0]))
+        high = torch.full_like(start, math.log(MARGLIK_BOUNDS[1]))
+
+        def objective(t):
+            return self.log_marginal_likelihood(base.index_copy(0, rows, t.exp().expand(len(rows))))
+
+        size = float(sum(self.theta[n].numel() for n in names))
+        z = _newton_ascent(objective, start.clamp(low, high), low, high, size)
+        return base.index_copy(0, rows, z.exp().expand(len(rows)))
+
     def _maximise_marglik_layerwise(self) -> torch.Tensor:
+        if hasattr(self._structure, "log_det_ratio"):
+            return self._maximise_marglik_autograd("layerwise")
         names, blocks, sq, _ = self._marglik_terms()
         delta = self._prior_precision.clone()
         index = {n: i for i, n in enumerate(self.theta.keys())}

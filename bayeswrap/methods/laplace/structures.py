@@ -86,10 +86,10 @@ from bayeswrap.core.batches import batch_size, take, unsqueeze
 from bayeswrap.core.functional import find_last_layer, last_layer_params, vmap_over_examples  # noqa: F401 (re-exported)
 from bayeswrap.methods.laplace.curvature import _backward
 
-HESSIAN_STRUCTURES = ("diag", "kron", "full")
+HESSIAN_STRUCTURES = ("diag", "kron", "full", "lowrank")  # "lowrank": methods/laplace/lowrank.py
 #: a prior precision: one δ for every parameter, or ``{name: δ}`` per Bayesian parameter tensor ("layerwise")
 Delta = float | Mapping[str, float]
-SUBSETS_OF_WEIGHTS = ("all", "last_layer")
+SUBSETS_OF_WEIGHTS = ("all", "last_layer", "subnetwork")  # "subnetwork": methods/laplace/subnetwork.py
 #: ``hessian_structure="full"`` stores a P × P matrix: at most this many Bayesian parameters (3.2 GB in float64)
 MAX_FULL_PARAMS = 20_000
 # ---------------------------------------------------------------------- capture of layer inputs and output gradients
