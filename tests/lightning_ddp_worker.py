@@ -29,6 +29,7 @@ RUNS = {
     "laplace": ("laplace", {}, False),
     "laplace-kron": ("laplace", {"hessian_structure": "kron"}, False),
     "laplace-full": ("laplace", {"hessian_structure": "full"}, False),
+    "laplace-last-layer": ("laplace", {"hessian_structure": "full", "subset_of_weights": "last_layer"}, False),
     "swag": ("swag", {"swa_start": 3, "collect_every": 1, "max_rank": 4}, False),
     "ensemble": ("ensemble", {"num_members": 2}, False),
     "map-bn": ("map", {}, True),
@@ -145,7 +146,7 @@ def check_method_state(name: str, state: dict) -> None:
     elif name.startswith("laplace"):
         assert bool(state["curvature_fitted"])
         structure = [k for k in state if k.startswith("_structure.") and k != "_structure.fitted"]
-        assert len(structure) == {"laplace": 0, "laplace-kron": 4, "laplace-full": 1}[name]
+        assert len(structure) == {"laplace": 0, "laplace-kron": 4, "laplace-full": 1, "laplace-last-layer": 1}[name]
         assert all(state[k].abs().sum() > 0 for k in structure)
 
 

@@ -5,7 +5,8 @@ for every run), with ``Accelerator(cpu=True)``: ``accelerator.prepare(TrainingSt
 ``accelerator.backward(step(x, y).loss)``, and :class:`bayeswrap.accelerate.FitHooks` around the loop, for the
 runs of ``lightning_ddp_worker.RUNS`` (the data, networks and optimizers of the Lightning DDP test): MAP, VI,
 SGLD (Langevin noise on), SWAG, a deep ensemble of two MAP members and Laplace with diagonal, Kronecker and full
-curvature, 8 examples per rank and step, 2 epochs; and MAP of a network with BatchNorm. The ranks seed their
+curvature and the last layer's full curvature, 8 examples per rank and step, 2 epochs; and MAP and SWAG of a
+network with BatchNorm. The ranks seed their
 random state differently.
 
 Oracle: ``bw.fit`` in this process on the union of the two ranks' batches of each step, from rank 0's seed.

@@ -3,7 +3,8 @@
 ``tests/lightning_ddp_worker.py`` runs ``Trainer(strategy="ddp", accelerator="cpu", devices=2)`` in a
 subprocess (Lightning's launcher starts rank 1 by running the script again; one launch for every run), for the
 runs of its ``RUNS``: MAP, VI, SGLD (Langevin noise on), SWAG, a deep ensemble of two MAP members and Laplace
-with diagonal, Kronecker-factored and full curvature (summed over the ranks' shards), 8 examples per rank and
+with diagonal, Kronecker-factored and full curvature and the last layer's full curvature (summed over the
+ranks' shards), 8 examples per rank and
 step, 2 epochs, validating on the training set; and MAP and SWAG of a network with BatchNorm. The ranks seed
 their random state differently.
 
