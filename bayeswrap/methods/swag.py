@@ -433,7 +433,11 @@ class SWAG(MAP):
             self._set_lr(step + 1)
 
     def after_fit(self, train_loader) -> None:
-        """Keeps ``train_loader`` for the BatchNorm update and gives the optimizer back its learning rates."""
+        """Keeps ``train_loader`` for the BatchNorm update and gives the optimizer back its learning rates.
+
+        With BatchNorm layers it recomputes θ_SWA's statistics from the loader; data-parallel (every rank runs
+        ``after_fit`` over its own shard), they are then averaged over the ranks, so the replicas stay identical.
+        """
         super().after_fit(train_loader)
         if self._optimizer is not None:
             restore_param_groups(self._optimizer, {_BASE_LR: "lr"})
