@@ -59,9 +59,22 @@ step, fit's once per epoch.
 
 Not supported (refused with a message): ``model_init`` (wrap the model yourself), ``compute_loss_func`` and
 ``compute_metrics`` (the loss is the Bayesian one, the metrics bayeswrap's), full-batch samplers (MH, HMC:
-``run_chains``), an ``optim`` that builds its own parameter groups (GaLore, LOMO), and data-parallel training (``torchrun``/``accelerate launch``, several GPUs): the loss is
-computed outside the ``DistributedDataParallel`` wrapper, so the gradients would not be averaged (use
-:func:`bayeswrap.fit` under ``torchrun`` or :mod:`bayeswrap.lightning`).
+``run_chains``), an ``optim`` that builds its own parameter groups (GaLore, LOMO), and several GPUs in one process
+(``torch.nn.DataParallel``: use one process per GPU).
+
+**Data-parallel** (``torchrun``/``accelerate launch``, one process per device; tested with 2 CPU processes and
+gloo): the Bayesian loss runs outside the ``DistributedDataParallel`` wrapper (whose ``forward`` is the
+predictive), so :meth:`BayesianTrainer.training_step` averages the gradients over the ranks itself at the last
+micro-batch of each optimizer step (:func:`bayeswrap.core.distributed.all_reduce_gradients_`, before the
+Trainer clips them): the gradient of ``nll_mean + kl_weight · KL / num_data`` over the global batch, the KL term
+counted once. When training starts every rank takes rank 0's parameters, buffers and random state (an SGLD
+optimizer's generator too), so all ranks make the same draws; SGLD's iterates and SWAG's moments are then
+collected identically on every rank, Laplace's curvature sums over the ranks' shards are all-reduced, and
+BatchNorm statistics are averaged over the ranks at the end of each epoch. The posterior equals that of one
+process trained on the union of the ranks' batches (accelerate gives rank r the batches r, r + W, ...; with
+``train_sampling_strategy="sequential"`` the union of a step is W consecutive batches). ``evaluate`` and
+``predict`` gather the ranks' shards of each evaluation step on every rank (in the dataset's order, cut at its
+size) and score the whole set on every rank, so every rank returns the one-process metrics.
 
 Transformers is an optional dependency: ``pip install "bayeswrap[hf]"`` (``transformers`` and ``accelerate``,
 which the Trainer needs).
@@ -99,7 +112,8 @@ if int(transformers.__version__.split(".")[0]) < 5:
     raise ImportError(f"bayeswrap.hf needs transformers >= 5 (its Trainer's extension points), found "
                       f"{transformers.__version__}; pip install -U transformers")
 
-from bayeswrap.core.batches import loader_pair
+from bayeswrap.core import distributed
+from bayeswrap.core.batches import batch_size, loader_pair, take, to_device
 from bayeswrap.core.checks import check_bool, check_int
 from bayeswrap.core.functional import nonfinite_names
 from bayeswrap.core.io import CheckpointError, load_checkpoint
@@ -184,6 +198,34 @@ def load_state(bnn: BayesianModel, path: str | os.PathLike) -> None:
     bnn.train(bool(contents.get("training", bnn.training)))
 
 
+class _WholeSet:
+    """Data-parallel evaluation: the batches of every rank's shard of a prepared loader, gathered on every rank, in
+    the dataset's order and cut at its size, so that every rank predicts the whole set.
+
+    Accelerate gives rank r the batches r, r + W, ... and completes the last ones with examples from the start
+    (``even_batches``); the batches of step k in rank order are the dataset's batches kW ... kW + W − 1.
+    """
+
+    def __init__(self, loader):
+        try:
+            self.size = len(loader.dataset)
+        except TypeError:
+            raise ValueError("data-parallel evaluation needs a dataset with a length (every rank predicts the whole "
+                             "set, gathered from the ranks' shards); accepted: a map-style dataset, or evaluate in "
+                             "one process") from None
+        self.loader = loader
+
+    def __iter__(self):
+        seen = 0
+        for batch in self.loader:
+            for part in distributed.gather_objects(to_device(batch, "cpu")):
+                if seen >= self.size:
+                    break
+                n = batch_size(part)
+                yield part if seen + n <= self.size else take(part, slice(0, self.size - seen))
+                seen += n
+
+
 class BayesianHooks(transformers.TrainerCallback):
     """Calls a wrapped model's training hooks where :func:`bayeswrap.fit` calls them, inside a Trainer's loop.
 
@@ -214,6 +256,9 @@ class BayesianHooks(transformers.TrainerCallback):
         except TypeError:  # an iterable dataset without a length
             steps_per_epoch = None
         self.updates = 0
+        if distributed.is_distributed():  # identical replicas and draws (VI weights, Langevin noise), as bw.fit
+            distributed.broadcast_module_(self.bnn)
+            distributed.sync_random_state_(model_device(self.bnn), [getattr(optimizer, "generator", None)])
         self.bnn.before_fit(num_steps, optimizer, steps_per_epoch=steps_per_epoch)
         # a method that drives the learning rate per step (SWAG's swa_lr, cyclical SGLD) records each group's base
         # value under a key of its own (bayeswrap.core.schedules.restore_param_groups); a resumed optimizer holds it
@@ -239,6 +284,7 @@ class BayesianHooks(transformers.TrainerCallback):
                 group["lr"] = lr
 
     def on_epoch_end(self, args, state, control, **kwargs):
+        distributed.average_(self.bnn.model_buffers.values())  # data-parallel: the ranks' BatchNorm statistics
         bad = nonfinite_names((n, p) for n, p in self.bnn.named_parameters() if p.requires_grad)
         if bad:
             raise FloatingPointError(
@@ -272,7 +318,8 @@ class BayesianTrainer(transformers.Trainer):
     Raises:
         ValueError: if ``model`` is not a BayesianModel that fit trains (naming its type), for
             ``model_init``/``compute_loss_func``/``compute_metrics``, ``eval_num_samples``/``finalize`` out of
-            range, or more than one process or GPU (data-parallel training is not supported); during training, a batch without the targets ``bnn.label_key`` or with nothing but the targets
+            range, or several GPUs in one process (``n_gpu > 1``); during training, a batch without the targets
+            ``bnn.label_key`` or with nothing but the targets
             (naming the keys it holds and the columns kept), and an optimizer that is not one of bnn's
             (:func:`bayeswrap.training.check_optimizer`).
         FloatingPointError: for a non-finite loss or parameter, with fit's diagnosis.
@@ -292,17 +339,17 @@ class BayesianTrainer(transformers.Trainer):
                                           note="posterior draws per prediction; 0: the posterior mean")
         self.bnn = bnn
         super().__init__(model=bnn, args=args, **kwargs)
-        if self.args.world_size > 1 or self.args.n_gpu > 1:
-            raise ValueError(f"BayesianTrainer trains in one process on one device (got world_size="
-                             f"{self.args.world_size}, n_gpu={self.args.n_gpu}): the Bayesian loss is computed "
-                             "outside the DistributedDataParallel/DataParallel wrapper, whose gradient averaging would "
-                             "not run; accepted: one process and one device (CUDA_VISIBLE_DEVICES=0), or bw.fit under "
-                             "torchrun, or bayeswrap.lightning with strategy='ddp', for data-parallel training")
+        if self.args.n_gpu > 1:
+            raise ValueError(f"BayesianTrainer trains on one device per process (got n_gpu={self.args.n_gpu}: "
+                             "torch.nn.DataParallel over several GPUs of one process, whose replicas the Bayesian "
+                             "loss would bypass); accepted: one device per process, e.g. torchrun --nproc_per_node="
+                             f"{self.args.n_gpu} (data-parallel, one GPU each) or CUDA_VISIBLE_DEVICES=0")
         if self.args.label_names is None:
             self.label_names = [bnn.label_key]
         self.can_return_loss = True
         self.hooks = BayesianHooks(self, finalize)
         self.add_callback(self.hooks)
+        self._nonfinite: str | None = None  # data-parallel: this rank's non-finite loss, raised after the all-reduce
 
     # ------------------------------------------------------------------ columns
     def _set_signature_columns_if_needed(self) -> None:
@@ -368,14 +415,36 @@ class BayesianTrainer(transformers.Trainer):
             out = step_loss(bnn, x, y, 1.0)
         if not bool(torch.isfinite(out.loss)):
             epoch = int(self.state.epoch or 0)
-            raise FloatingPointError(diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, self.hooks.updates))
+            message = diagnose_nonfinite_loss(bnn, out, x, y, epoch, step, self.hooks.updates)
+            if not distributed.is_distributed():
+                raise FloatingPointError(message)
+            self._nonfinite = self._nonfinite or message  # every rank raises after the gradients' all-reduce
         return (out.loss, {"logits": out.logits}) if return_outputs else out.loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """The Trainer's step (``compute_loss``, ``accelerator.backward``); data-parallel, at the last micro-batch of
+        an optimizer step, the gradients are averaged over the ranks
+        (:func:`bayeswrap.core.distributed.all_reduce_gradients_`): the loss runs outside the
+        ``DistributedDataParallel`` wrapper (whose ``forward`` would be the predictive), so DDP's own averaging
+        does not. A non-finite loss on any rank raises :class:`FloatingPointError` on every rank.
+        """
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if distributed.is_distributed() and self.accelerator.sync_gradients:
+            params = [p for p in self.bnn.parameters() if p.requires_grad]
+            _, finite = distributed.all_reduce_gradients_(params, 1, loss_finite=self._nonfinite is None)
+            message, self._nonfinite = self._nonfinite, None
+            if not finite:
+                raise FloatingPointError(message or f"non-finite loss on another rank at step "
+                                         f"{self.state.global_step + 1}; that rank's error names the cause")
+        return loss
 
     # ------------------------------------------------------------------ evaluation
     def _predictive(self, dataset, where: str):
         """The posterior predictive and targets over a dataset (the training's random state left as it was)."""
         bnn = self.bnn
         loader = self.get_eval_dataloader(dataset) if where == "eval" else self.get_test_dataloader(dataset)
+        if distributed.is_distributed():
+            loader = _WholeSet(loader)
         was_training = bnn.training
         bnn.eval()
         try:

@@ -60,7 +60,15 @@ counted once (as :mod:`bayeswrap.core.distributed` does for ``bw.fit`` under
 the model's CUDA device, an SGLD optimizer's generator), so all ranks make the
 same draws (VI's weight sample, the Langevin noise, which SGLD adds to the
 parameters and must be equal on every rank); the posterior then equals one
-process's trained on the union of the ranks' batches. Training metrics are
+process's trained on the union of the ranks' batches (tested for MAP, VI, SGLD,
+SWAG, a deep ensemble and Laplace with diagonal, Kronecker and full curvature).
+The replicas being identical, SGLD's iterates and SWAG's moments are collected
+identically on every rank; ``after_fit`` runs on every rank over its shard of
+``trainer.train_dataloader``: Laplace's curvature sums (diagonal, Kronecker factors,
+full H, last layer) are all-reduced at the end of ``fit_curvature``, so the
+curvature is that of the whole set (a ``DistributedSampler`` that pads the last
+shard counts the repeated examples twice), and SWAG's BatchNorm statistics for
+θ_SWA are averaged over the ranks. Training metrics are
 synced means over the ranks; validation and test metrics score the union of all
 ranks' predictions (Lightning's ``DistributedSampler`` pads a set whose size the
 world size does not divide with repeated examples, which are then counted twice).
@@ -705,9 +713,7 @@ class BayesianModule(pl.LightningModule):
         """
         outputs, self._outputs = self._outputs, []
         if self.trainer.world_size > 1 and distributed.is_distributed():
-            gathered: list = [None] * distributed.world_size()
-            torch.distributed.all_gather_object(gathered, outputs)
-            outputs = [o for part in gathered for o in part]
+            outputs = [o for part in distributed.gather_objects(outputs) for o in part]
         if not outputs:
             return
         y = torch.cat([o[2] for o in outputs])

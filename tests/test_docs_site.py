@@ -23,6 +23,7 @@ API_PAGES = {  # page -> anchors (the objects' paths) that it must document
     "api/evaluation/uncertainty.html": ["bayeswrap.evaluation.uncertainty.mutual_information"],
     "api/lightning.html": ["bayeswrap.lightning.BayesianModule", "bayeswrap.lightning.BayesianCallback"],
     "api/hf.html": ["bayeswrap.hf.BayesianTrainer", "bayeswrap.hf.BayesianHooks", "bayeswrap.hf.load_state"],
+    "api/accelerate.html": ["bayeswrap.accelerate.TrainingStep", "bayeswrap.accelerate.FitHooks"],
 }
 
 

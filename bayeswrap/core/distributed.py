@@ -31,6 +31,18 @@ The semantics:
   in the first float32 bucket, so a non-finite loss on one rank stops every
   rank with an error instead of a hang.
 
+* **Collected state.** With identical replicas, SGLD's kept iterates and SWAG's
+  moments are the same on every rank. ``after_fit`` runs on every rank over its
+  shard: Laplace's curvature sums (diagonal, Kronecker factors, full H, last
+  layer), log-likelihood and example count are all-reduced at the end of
+  ``fit_curvature`` (:func:`all_reduce_sum_`), so Laplace fitted on N ranks equals
+  Laplace fitted on one; SWAG's BatchNorm statistics for θ_SWA are averaged
+  (:func:`average_`).
+
+The same pieces serve the other engines: :mod:`bayeswrap.lightning` (a DDP
+``Trainer``), :mod:`bayeswrap.accelerate` (a loop of your own under
+``accelerate``) and :mod:`bayeswrap.hf` (the Hugging Face Trainer).
+
 Only :mod:`torch.distributed` is used; the process group is the caller's
 (``bayeswrap fit`` under ``torchrun`` initialises it with :func:`init_from_env`).
 
@@ -492,6 +504,22 @@ def broadcast_object(obj, src: int = 0):
     with _collective(f"a broadcast from rank {src}"):
         dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def gather_objects(obj) -> list:
+    """Every rank's ``obj`` (any picklable object), in rank order, on every rank; ``[obj]`` without a group.
+
+    Tensors are pickled: move CUDA tensors to the CPU first (NCCL needs the current CUDA device set).
+
+    Raises:
+        CollectiveError: if another rank died, hung past the collective timeout, or the connection broke.
+    """
+    if not is_distributed():
+        return [obj]
+    out: list = [None] * world_size()
+    with _collective("an all-gather of objects"):
+        dist.all_gather_object(out, obj)
+    return out
 
 
 def broadcast_state_dict_(module: torch.nn.Module, src: int = 0) -> None:

@@ -102,6 +102,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from bayeswrap.core import distributed
 from bayeswrap.core.batches import batch_pair, check_reiterable, to_device, without_key
 from bayeswrap.core.checks import check_choice, check_float, check_int, check_scale
 from bayeswrap.core.functional import NamedTensors, call
@@ -432,7 +433,11 @@ class SWAG(MAP):
             self._set_lr(step + 1)
 
     def after_fit(self, train_loader) -> None:
-        """Keeps ``train_loader`` for the BatchNorm update and gives the optimizer back its learning rates."""
+        """Keeps ``train_loader`` for the BatchNorm update and gives the optimizer back its learning rates.
+
+        With BatchNorm layers it recomputes θ_SWA's statistics from the loader; data-parallel (every rank runs
+        ``after_fit`` over its own shard), they are then averaged over the ranks, so the replicas stay identical.
+        """
         super().after_fit(train_loader)
         if self._optimizer is not None:
             restore_param_groups(self._optimizer, {_BASE_LR: "lr"})
@@ -441,7 +446,9 @@ class SWAG(MAP):
         self._bn_loader = train_loader
         if self._bn_update_active() and self.is_ready():  # θ_SWA's statistics, saved with the model
             with torch.no_grad():
-                self._mean_statistics()
+                # data-parallel: each rank recomputed them from its own shard; their mean over the ranks keeps the
+                # replicas identical (the running means are the union's; the variances lack the between-rank spread)
+                distributed.average_(self._mean_statistics().values())
             batch = next(iter(train_loader), None) if self.bn_fed is None else None
             if batch is not None:
                 x, _ = batch_pair(batch, "the BatchNorm update loader (batch 0)", self.label_key)
