@@ -75,8 +75,8 @@ import warnings
 import torch
 
 from bayeswrap.core.checks import check_choice, check_scale
-from bayeswrap.core.memory import parse_budget
 from bayeswrap.core.functional import NamedTensors, _mangle
+from bayeswrap.core.memory import parse_budget
 from bayeswrap.core.token_likelihoods import TOKEN_LIKELIHOODS
 from bayeswrap.methods.base import BayesianModel, NotFittedError, check_int, register_method
 from bayeswrap.methods.laplace.fitting import CURVATURE_BACKENDS, CURVATURES, CurvatureFitting

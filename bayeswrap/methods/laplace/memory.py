@@ -162,7 +162,7 @@ class KronEstimate(StructureEstimate):
         s = fp.itemsize
         if fp.last_layer:
             d, k = fp.head
-            work = {"forward (no graph)": 2 * batch * fp.largest,
+            work = {"forward (no graph)": batch * (fp.graph + 2 * fp.largest),
                     "pulled-back vectors": 2 * fp.vectors * batch * k * s + batch * d * s}
         else:
             rows = fp.vectors * batch
@@ -181,7 +181,7 @@ class KronEstimate(StructureEstimate):
         k = fp.outputs
         if fp.last_layer:
             d, _ = fp.head
-            return {"forward (no graph)": 2 * batch * fp.largest, "unit vectors pulled back": 3 * k * batch * k * s
+            return {"forward (no graph)": batch * (fp.graph + 2 * fp.largest), "unit vectors pulled back": 3 * k * batch * k * s
                     + batch * d * s}
         pulled = sum(ly.positions * ly.outputs for n, ly in fp.layers.items() if n in fp.kron) * s
         # per layer, one at a time: token layers' per-example gradients (K, B, out, in) and their rotation; a layer
@@ -209,7 +209,8 @@ class FullEstimate(StructureEstimate):
 
     def _decomposition(self, fp):
         """psd_eigh(H): H's float64 copy, LAPACK's float64 eigenvectors and their cast back (measured for float32:
-        20 P² bytes besides H; a float64 H is not copied)."""
+        20 P² bytes besides H; a float64 H is not copied).
+        """
         p = fp.num_params
         copy = 0 if fp.itemsize == _F64 else p * p * _F64  # .double() of a float64 matrix is the matrix itself
         return {"eigendecomposition (float64 copy, eigenvectors, cast)": copy + p * p * (_F64 + fp.itemsize)}
@@ -219,7 +220,7 @@ class FullEstimate(StructureEstimate):
         if fp.last_layer:
             d, _ = fp.head
             step = max(1, min(batch, (1 << 22) // max(1, k * k * d)))
-            work = {"forward (no graph)": 2 * batch * fp.largest, "head terms": batch * (k * k + d) * s,
+            work = {"forward (no graph)": batch * (fp.graph + 2 * fp.largest), "head terms": batch * (k * k + d) * s,
                     "feature chunk": step * k * k * d * s, "outer products": 2 * p * p * s}
         else:
             c = min(chunk, batch)
@@ -231,7 +232,7 @@ class FullEstimate(StructureEstimate):
         p, s, k = fp.num_params, fp.itemsize, fp.outputs
         if fp.last_layer:
             return {"eigenvectors (reordered copy)": p * p * s, "J Q (B × K × P)": 3 * batch * k * p * s,
-                    "forward (no graph)": 2 * batch * fp.largest}
+                    "forward (no graph)": batch * (fp.graph + 2 * fp.largest)}
         c = min(chunk, batch)
         return {"Jacobians (c × K × P), J Q and its square": 3 * c * k * p * s, "vmapped backward": c * k * fp.graph}
 
@@ -391,8 +392,9 @@ def head_footprint(fp: Footprint, bnn) -> Footprint | None:
     layer = bnn.model.get_submodule(name)
     d, k = layer.in_features + (layer.bias is not None), layer.out_features
     size = fp.layers.get(name, LayerSize("linear", d * k, d * k - k, d, k, 1, k * fp.itemsize))
-    return Footprint(num_params=d * k, itemsize=fp.itemsize, outputs=fp.outputs, vectors=fp.vectors, graph=0,
-                     largest=fp.largest, layers={name: size}, kron={name: (d - (layer.bias is not None), k)},
+    # no graph through the body: its forward holds about two activations per example at a time
+    return Footprint(num_params=d * k, itemsize=fp.itemsize, outputs=fp.outputs, vectors=fp.vectors,
+                     graph=2 * fp.largest, largest=0, layers={name: size}, kron={name: (d - (layer.bias is not None), k)},
                      backend=fp.backend, last_layer=True, head=(d, k))
 
 
