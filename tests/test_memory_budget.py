@@ -66,7 +66,7 @@ def test_peak_tracker_counts_storage_exactly():
 class _Attention(nn.Module):
     """A one-block attention classifier over tokens (Linear layers on (B, T, d): the token rules)."""
 
-    def __init__(self, d=16, vocab=40, k=10):
+    def __init__(self, d=12, vocab=40, k=10):
         super().__init__()
         self.emb, self.qkv, self.ln = nn.Embedding(vocab, d), nn.Linear(d, 3 * d), nn.LayerNorm(d)
         self.ff, self.head = nn.Linear(d, d), nn.Linear(d, k)
@@ -74,16 +74,16 @@ class _Attention(nn.Module):
     def forward(self, x):
         h = self.emb(x)
         q, k, v = self.qkv(h).chunk(3, -1)
-        h = self.ln(h + torch.softmax(q @ k.transpose(1, 2) / 4.0, -1) @ v)
+        h = self.ln(h + torch.softmax(q @ k.transpose(1, 2) / 3.5, -1) @ v)
         return self.head(torch.relu(self.ff(h)).mean(1))
 
 
 ARCHITECTURES = {
-    "mlp": (lambda: nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10)),
+    "mlp": (lambda: nn.Sequential(nn.Linear(20, 24), nn.ReLU(), nn.Linear(24, 24), nn.ReLU(), nn.Linear(24, 10)),
             lambda b: torch.randn(b, 20)),
     "cnn": (lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                                  nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
-                                  nn.Linear(64, 10)),
+                                  nn.Conv2d(8, 12, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                                  nn.Linear(48, 10)),
             lambda b: torch.randn(b, 3, 16, 16)),
     "attention": (_Attention, lambda b: torch.randint(0, 40, (b, 12))),
 }

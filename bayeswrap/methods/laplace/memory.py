@@ -261,7 +261,8 @@ def _diagonal_work(fp: Footprint, batch: int, chunk: int, vectors: int) -> dict[
     rows = max(1, chunk // m)  # examples per chunk of per-example gradients
     per_example = max((m * min(rows, batch) * (2 * ly.weight + ly.outputs * ly.positions)
                        + min(rows, batch) * ly.inputs * ly.positions) * s for ly in chunked) if chunked else 0
-    return {"accumulators": 2 * p * s, "autograd graph": batch * fp.graph + fp.constant,
+    # accumulators: the curvature, the engine's per-parameter sums and one parameter-sized product per layer
+    return {"accumulators": 3 * p * s, "autograd graph": batch * fp.graph + fp.constant,
             "pulled-back vectors": m * batch * (pulled + 2 * fp.largest),
             "per-example layer gradients": per_example}
 
@@ -469,8 +470,10 @@ def check_draws(bnn, count: int) -> None:
     Raises:
         MemoryBudgetError: naming the estimate, the budget and the largest number of draws that fits.
     """
+    est = STRUCTURE_ESTIMATES.get(bnn.hessian_structure)
+    if est is None:  # a structure that registered no estimate: nothing is checked
+        return
     fp = static_footprint(bnn)
-    est = STRUCTURE_ESTIMATES[bnn.hessian_structure]
     parts = est.draws(fp, count)
     budget = budget_of(bnn)
     if total(parts) > budget:
@@ -490,13 +493,15 @@ def plan_chunk(bnn, x, phase: str, cache: dict) -> int:
         MemoryBudgetError: when even a chunk of 1 does not fit (before the batch's work allocates anything).
     """
     batch = batch_size(x)
+    est = STRUCTURE_ESTIMATES.get(bnn.hessian_structure)
+    if est is None:  # a structure that registered no estimate: nothing is checked
+        return bnn.curvature_chunk_size
     if cache.get("batch", 0) >= batch:
         return cache["chunk"]
     if "footprint" not in cache:
         layers = getattr(bnn._structure, "layers", {}) or {}
         cache["footprint"] = probe(bnn, x, layers)
     fp = cache["footprint"]
-    est = STRUCTURE_ESTIMATES[bnn.hessian_structure]
     what = "fit_curvature" if phase == "fit" else "the GLM predictive's functional variances"
     chunk = size_chunk(bnn, what, lambda c: getattr(est, phase)(fp, batch, c), batch, fp, phase)
     cache.update(batch=batch, chunk=chunk)
