@@ -202,3 +202,53 @@ def test_draws_over_budget_are_refused():
         bnn.sample(1000)
     assert "10 draws at a time" in str(err.value)
     assert not math.isinf(err.value.budget)
+
+
+@pytest.mark.parametrize("arch", ["cnn", "attention"])
+@pytest.mark.parametrize("structure", ["diag", "kron", "full"])
+def test_last_layer_estimates_within_25_percent(arch, structure):
+    """subset_of_weights="last_layer": no graph through the body; the head's features, Kron factors or dense H."""
+    make, data = ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    x, y = data(BATCH), torch.randint(0, 10, (BATCH,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        bnn = bw.wrap(make(), "laplace", num_data=1000, hessian_structure=structure, subset_of_weights="last_layer")
+        fp = lm.probe(bnn, x, getattr(bnn._structure, "layers", {}) or {})
+        with PeakTracker() as fit:
+            bnn.fit_curvature([(x, y)])
+    with PeakTracker() as glm:
+        bnn.predict(x, 1)
+    est = lm.STRUCTURE_ESTIMATES[structure]
+    expected_fit, expected_glm = lm.total(est.fit(fp, BATCH, 32)), lm.total(est.glm(fp, BATCH, 32))
+    print(f"last layer {arch} {structure}: fit {expected_fit / fit.peak:.2f}; GLM {expected_glm / glm.peak:.2f}")
+    assert abs(expected_fit / fit.peak - 1) <= 0.25
+    assert abs(expected_glm / glm.peak - 1) <= 0.25
+
+
+def test_predicting_batch_after_batch_probes_once():
+    bnn, x, y = _fitted("mlp", "diag")
+    bnn.fit_curvature([(x, y)])
+    first = bnn.__dict__["_memory_footprint"]
+    bnn.predict(x, 1)
+    bnn.predict(x[:7], 1)
+    assert bnn.__dict__["_memory_footprint"] is first  # same per-example shapes: the fit's probe is reused
+
+
+def test_sample_probs_loader_refuses_what_does_not_fit_after_one_batch():
+    """(S, N, K) = (100, 2048, 10) float32 kept and concatenated: 16.4 MB, against a 1 MB budget."""
+    bnn, x, y = _fitted("mlp", "diag")
+    bnn.fit_curvature([(x, y)])
+    data = torch.utils.data.TensorDataset(torch.randn(2048, 20), torch.randint(0, 10, (2048,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=64)
+    calls = []
+    original = bnn.sample_logits
+    bnn.sample_logits = lambda *a, **k: calls.append(1) or original(*a, **k)
+    with pytest.raises(MemoryBudgetError) as err:
+        bw.sample_probs_loader(bnn, loader, 100, memory_budget="1MB")
+    assert len(calls) == 1  # refused after the first batch, from len(loader.dataset)
+    need = 2 * 100 * 2048 * 10 * 4
+    assert err.value.estimate == need and format_bytes(need) in str(err.value)
+    assert "num_samples=6" in str(err.value)  # 2 × 6 × 2048 × 10 × 4 = 983,040 bytes ≤ 10⁶
+    probs, _ = bw.sample_probs_loader(bnn, loader, 6, memory_budget="1MB")
+    assert probs.shape == (6, 2048, 10)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from bayeswrap.core.batches import batch_size, take
+from bayeswrap.core.batches import batch_size, take, tensor_leaves
 from bayeswrap.core.memory import PeakTracker, check_budget, halvings, largest_fitting, resolve_budget
 
 #: bytes of float64, the dtype of the eigendecompositions (psd_eigh)
@@ -82,6 +82,8 @@ class Footprint:
         graph: bytes a forward with autograd keeps per example (saved tensors and outputs).
         largest: bytes of the largest single tensor of that forward, per example.
         constant: bytes a forward keeps whatever the batch size (temporaries of the parameters' size).
+        forward_peak: bytes per example at the peak of that forward (what a forward without a graph through the
+            body, the last layer's, holds at most).
         layers: ``{module name: LayerSize}`` for the modules owning Bayesian parameters.
         kron: ``{layer: (in, out)}`` of the Kronecker factors (``"kron"``).
         diag_rest: Bayesian entries outside the Kron layers.
@@ -97,6 +99,7 @@ class Footprint:
     graph: int
     largest: int
     constant: int = 0
+    forward_peak: int = 0
     layers: dict[str, LayerSize] = field(default_factory=dict)
     kron: dict[str, tuple[int, int]] = field(default_factory=dict)
     diag_rest: int = 0
@@ -162,8 +165,8 @@ class KronEstimate(StructureEstimate):
         s = fp.itemsize
         if fp.last_layer:
             d, k = fp.head
-            work = {"forward (no graph)": batch * (fp.graph + 2 * fp.largest),
-                    "pulled-back vectors": 2 * fp.vectors * batch * k * s + batch * d * s}
+            work = _larger({"forward (no graph through the body)": batch * fp.forward_peak},
+                           {"pulled-back vectors": 2 * fp.vectors * batch * k * s + batch * d * s})
         else:
             rows = fp.vectors * batch
             pulled = sum(ly.positions * ly.outputs for n, ly in fp.layers.items() if n in fp.kron) * s
@@ -181,8 +184,8 @@ class KronEstimate(StructureEstimate):
         k = fp.outputs
         if fp.last_layer:
             d, _ = fp.head
-            return {"forward (no graph)": batch * (fp.graph + 2 * fp.largest), "unit vectors pulled back": 3 * k * batch * k * s
-                    + batch * d * s}
+            return _larger({"forward (no graph through the body)": batch * fp.forward_peak},
+                           {"unit vectors pulled back": 3 * k * batch * k * s + batch * d * s})
         pulled = sum(ly.positions * ly.outputs for n, ly in fp.layers.items() if n in fp.kron) * s
         # per layer, one at a time: token layers' per-example gradients (K, B, out, in) and their rotation; a layer
         # on (B, in): the rotated, squared δ (K, B, out) twice and einsum's (K, B, in) intermediate
@@ -220,8 +223,9 @@ class FullEstimate(StructureEstimate):
         if fp.last_layer:
             d, _ = fp.head
             step = max(1, min(batch, (1 << 22) // max(1, k * k * d)))
-            work = {"forward (no graph)": batch * (fp.graph + 2 * fp.largest), "head terms": batch * (k * k + d) * s,
-                    "feature chunk": step * k * k * d * s, "outer products": 2 * p * p * s}
+            work = _larger({"forward (no graph through the body)": batch * fp.forward_peak},
+                           {"head terms": batch * (k * k + d) * s, "feature chunk": step * k * k * d * s,
+                            "outer products": 2 * p * p * s})
         else:
             c = min(chunk, batch)
             work = {"Jacobians (c × K × P)": 2 * c * k * p * s, "Jacobian rows (M·c × P)": fp.vectors * c * p * s,
@@ -231,8 +235,9 @@ class FullEstimate(StructureEstimate):
     def glm(self, fp, batch, chunk):
         p, s, k = fp.num_params, fp.itemsize, fp.outputs
         if fp.last_layer:
-            return {"eigenvectors (reordered copy)": p * p * s, "J Q (B × K × P)": 3 * batch * k * p * s,
-                    "forward (no graph)": batch * (fp.graph + 2 * fp.largest)}
+            return _larger({"forward (no graph through the body)": batch * fp.forward_peak},
+                           {"eigenvectors (reordered, and permuted by einsum)": 2 * p * p * s,
+                            "J Q (B × K × P), squared, scaled": 4 * batch * k * p * s})
         c = min(chunk, batch)
         return {"Jacobians (c × K × P), J Q and its square": 3 * c * k * p * s, "vmapped backward": c * k * fp.graph}
 
@@ -312,7 +317,7 @@ def probe(bnn, x, structure_layers=()) -> Footprint:
         return record
 
     handles = [m.register_forward_hook(hook(n)) for n, m in owners.items()]
-    graphs = []
+    graphs, peaks = [], []
 
     try:
         for count in (1, 2) if batch_size(x) > 1 else (1,):
@@ -320,6 +325,7 @@ def probe(bnn, x, structure_layers=()) -> Footprint:
             with torch.enable_grad(), tracker:
                 out = bnn.forward_with(theta, take(x, slice(0, count)))
                 graphs.append(tracker.current)
+                peaks.append(tracker.peak)
                 del out
     finally:
         for h in handles:
@@ -327,6 +333,7 @@ def probe(bnn, x, structure_layers=()) -> Footprint:
     # what a forward keeps: a constant (parameter-sized temporaries) and a part per example
     graph = graphs[-1] - graphs[0] if len(graphs) == 2 else graphs[0]
     constant = max(0, graphs[0] - graph)
+    forward_peak = peaks[-1] - peaks[0] if len(peaks) == 2 else peaks[0]
     ref = next(iter(bnn.theta.values()))
     largest = max((max(ly.output_bytes, ly.input_bytes) for ly in sizes.values()), default=0)
     outputs = _outputs_per_example(bnn, x)
@@ -344,7 +351,7 @@ def probe(bnn, x, structure_layers=()) -> Footprint:
         w = bnn.theta[f"{bnn.last_layer_name}.weight" if bnn.last_layer_name else "weight"]
         head = (w.shape[1] + (len(bnn.theta) == 2), w.shape[0])
     return Footprint(num_params=sum(t.numel() for t in bnn.theta.values()), itemsize=ref.element_size(),
-                     outputs=outputs, vectors=vectors, graph=graph, constant=constant, largest=largest, layers=sizes, kron=kron,
+                     outputs=outputs, vectors=vectors, graph=graph, constant=constant, forward_peak=forward_peak, largest=largest, layers=sizes, kron=kron,
                      diag_rest=rest, backend=bnn.curvature_backend, last_layer=bnn.last_layer_name is not None,
                      head=head)
 
@@ -393,9 +400,9 @@ def head_footprint(fp: Footprint, bnn) -> Footprint | None:
     layer = bnn.model.get_submodule(name)
     d, k = layer.in_features + (layer.bias is not None), layer.out_features
     size = fp.layers.get(name, LayerSize("linear", d * k, d * k - k, d, k, 1, k * fp.itemsize))
-    # no graph through the body: its forward holds about two activations per example at a time
+    # no graph through the body: its forward holds at most the forward's peak per example
     return Footprint(num_params=d * k, itemsize=fp.itemsize, outputs=fp.outputs, vectors=fp.vectors,
-                     graph=2 * fp.largest, largest=0, layers={name: size}, kron={name: (d - (layer.bias is not None), k)},
+                     graph=fp.forward_peak, forward_peak=fp.forward_peak, largest=0, layers={name: size}, kron={name: (d - (layer.bias is not None), k)},
                      backend=fp.backend, last_layer=True, head=(d, k))
 
 
@@ -484,6 +491,20 @@ def check_draws(bnn, count: int) -> None:
                      budget, fits, parts)
 
 
+def cached_probe(bnn, x) -> Footprint:
+    """:func:`probe`, kept on the model for inputs of the same per-example shapes and dtypes (and the same
+    structure, subset, curvature and backend), so that predicting batch after batch probes once.
+    """
+    key = (tuple((name, tuple(t.shape[1:]), t.dtype, t.device) for name, t in tensor_leaves(x)),
+           bnn.hessian_structure, bnn.last_layer_name, bnn.curvature, bnn.curvature_samples, bnn.curvature_backend,
+           tuple((n, tuple(t.shape), t.dtype) for n, t in bnn.theta.items()))
+    cached = bnn.__dict__.get("_memory_footprint")
+    if cached is None or cached[0] != key:
+        cached = (key, probe(bnn, x, getattr(bnn._structure, "layers", {}) or {}))
+        bnn.__dict__["_memory_footprint"] = cached
+    return cached[1]
+
+
 def plan_chunk(bnn, x, phase: str, cache: dict) -> int:
     """The ``curvature_chunk_size`` for a batch ``x`` of :meth:`~bayeswrap.Laplace.fit_curvature` (``phase="fit"``)
     or of the GLM predictive's variances (``"glm"``), within the budget; probes the model once per ``cache``
@@ -499,8 +520,7 @@ def plan_chunk(bnn, x, phase: str, cache: dict) -> int:
     if cache.get("batch", 0) >= batch:
         return cache["chunk"]
     if "footprint" not in cache:
-        layers = getattr(bnn._structure, "layers", {}) or {}
-        cache["footprint"] = probe(bnn, x, layers)
+        cache["footprint"] = cached_probe(bnn, x)
     fp = cache["footprint"]
     what = "fit_curvature" if phase == "fit" else "the GLM predictive's functional variances"
     chunk = size_chunk(bnn, what, lambda c: getattr(est, phase)(fp, batch, c), batch, fp, phase)
