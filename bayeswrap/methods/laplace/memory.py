@@ -84,6 +84,7 @@ class Footprint:
         constant: bytes a forward keeps whatever the batch size (temporaries of the parameters' size).
         forward_peak: bytes per example at the peak of that forward (what a forward without a graph through the
             body, the last layer's, holds at most).
+        largest_tensor: entries of the largest Bayesian parameter tensor.
         layers: ``{module name: LayerSize}`` for the modules owning Bayesian parameters.
         kron: ``{layer: (in, out)}`` of the Kronecker factors (``"kron"``).
         diag_rest: Bayesian entries outside the Kron layers.
@@ -100,6 +101,7 @@ class Footprint:
     largest: int
     constant: int = 0
     forward_peak: int = 0
+    largest_tensor: int = 0
     layers: dict[str, LayerSize] = field(default_factory=dict)
     kron: dict[str, tuple[int, int]] = field(default_factory=dict)
     diag_rest: int = 0
@@ -171,9 +173,12 @@ class KronEstimate(StructureEstimate):
             rows = fp.vectors * batch
             pulled = sum(ly.positions * ly.outputs for n, ly in fp.layers.items() if n in fp.kron) * s
             inputs = sum(ly.positions * ly.inputs for n, ly in fp.layers.items() if n in fp.kron) * s
+            # a convolution's δ arrives transposed, (M, B, L, out): flattening it for G copies one layer's at a time
+            conv = max((ly.positions * ly.outputs for n, ly in fp.layers.items() if n in fp.kron and ly.kind == "conv"),
+                       default=0)
             work = {"autograd graph": batch * fp.graph + fp.constant,
                     "pulled-back vectors": rows * (pulled + 3 * fp.largest // 2),
-                    "layer inputs": batch * inputs}
+                    "layer inputs": batch * inputs, "a convolution's δ rows for G": rows * conv * s}
         rest = {}
         if fp.diag_rest:
             rest = _diagonal_work(fp, batch, chunk, fp.vectors)
@@ -257,9 +262,11 @@ def _diagonal_work(fp: Footprint, batch: int, chunk: int, vectors: int) -> dict[
     s, p = fp.itemsize, fp.num_params
     if fp.backend == "vmap":
         per_example = max(1, chunk // max(1, vectors))  # examples per vmap chunk
-        rows = min(vectors, chunk) * per_example
-        return {"accumulators": 2 * p * s, "per-example gradients (rows × P)": 2 * rows * p * s,
-                "vmapped forward and backward": rows * fp.graph}
+        rows = min(vectors, chunk) * per_example  # their Jacobian rows (or per-example gradients)
+        return {"accumulators": 2 * p * s,
+                "per-example gradients (rows × P, and a mean per example)": (rows + per_example) * p * s,
+                "per-tensor temporaries": 2 * rows * fp.largest_tensor * s,  # (r − mean)², then × p
+                "vmapped graph and backward": per_example * fp.graph + rows * 2 * fp.largest}
     m = min(vectors, max(1, chunk // batch))  # vectors per backward pass
     pulled = sum(ly.positions * ly.outputs for ly in fp.layers.values()) * s
     chunked = [ly for ly in fp.layers.values() if ly.kind in ("conv", "linear", "other") and ly.positions > 1]
@@ -351,7 +358,8 @@ def probe(bnn, x, structure_layers=()) -> Footprint:
         w = bnn.theta[f"{bnn.last_layer_name}.weight" if bnn.last_layer_name else "weight"]
         head = (w.shape[1] + (len(bnn.theta) == 2), w.shape[0])
     return Footprint(num_params=sum(t.numel() for t in bnn.theta.values()), itemsize=ref.element_size(),
-                     outputs=outputs, vectors=vectors, graph=graph, constant=constant, forward_peak=forward_peak, largest=largest, layers=sizes, kron=kron,
+                     outputs=outputs, vectors=vectors, graph=graph, constant=constant, forward_peak=forward_peak, largest=largest,
+                     largest_tensor=max(t.numel() for t in bnn.theta.values()), layers=sizes, kron=kron,
                      diag_rest=rest, backend=bnn.curvature_backend, last_layer=bnn.last_layer_name is not None,
                      head=head)
 
