@@ -176,11 +176,14 @@ class PeakTracker(TorchDispatchMode):
     """Measures the tensor storage allocated inside a ``with`` block: the bytes live now and at the peak.
 
     Every operation dispatched inside the block (autograd's backward, ``vmap``'s batched kernels and
-    ``torch.func`` transforms included) is seen by this dispatch mode; each output whose storage was not alive
-    before is counted with its ``nbytes`` until that storage is freed (checked through a weak reference to the
+    ``torch.func`` transforms included) is seen by this dispatch mode; each output whose storage is new (not alive
+    before, and not the storage of one of the operation's inputs: views and in-place results are not counted) is
+    counted with its ``nbytes`` until that storage is freed (checked through a weak reference to the
     storage, so views and autograd's saved tensors keep it counted). The peak is the largest sum of the storages
     allocated in the block and alive at the same time, in bytes: exact and deterministic (no allocator caching,
     no resident-set noise), excluding what existed before the block and a kernel's internal scratch space.
+    Tensors without a storage of their own at this level (forward-mode AD's dual wrappers) are skipped: under
+    ``torch.func.jvp`` the count misses the tangents.
 
     Attributes:
         peak: the peak, bytes.
@@ -204,14 +207,24 @@ class PeakTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = set()  # an output on an input's storage (a view, an in-place result) is no new allocation
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                try:
+                    inputs.add(t.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):
+                    pass
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
-            storage = t.untyped_storage()
-            size = storage.nbytes()
-            if size == 0:
+            try:
+                storage = t.untyped_storage()
+                size = storage.nbytes()
+                key = storage.data_ptr() if size else 0
+            except (RuntimeError, NotImplementedError):  # a wrapper without its own storage (forward-mode duals)
                 continue
-            key = storage.data_ptr()
+            if size == 0 or (key in inputs and key not in self._live):
+                continue
             old = self._live.get(key)
             if old is not None:
                 if not old[0].expired() and old[0].cdata == storage._cdata:

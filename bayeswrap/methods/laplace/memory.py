@@ -216,12 +216,12 @@ class FullEstimate(StructureEstimate):
         return {"dense matrix P²": p * p * fp.itemsize, "diagonal (curvature, variances)": 3 * p * fp.itemsize}
 
     def _decomposition(self, fp):
-        """psd_eigh(H): H's float64 copy, LAPACK's float64 eigenvectors and their cast back (measured for float32:
-        20 P² bytes besides H; a float64 H is not copied).
+        """psd_eigh(H): H's float64 copy and LAPACK's float64 eigenvectors (their cast back comes after the copy
+        is freed); a float64 H is not copied.
         """
         p = fp.num_params
         copy = 0 if fp.itemsize == _F64 else p * p * _F64  # .double() of a float64 matrix is the matrix itself
-        return {"eigendecomposition (float64 copy, eigenvectors, cast)": copy + p * p * (_F64 + fp.itemsize)}
+        return {"eigendecomposition (float64 copy, eigenvectors)": copy + p * p * _F64}
 
     def fit(self, fp, batch, chunk):
         p, s, k = fp.num_params, fp.itemsize, fp.outputs
