@@ -265,3 +265,23 @@ def test_peak_tracker_does_not_count_views_of_older_tensors():
         transposed = weight.t()  # a view of a storage allocated before the block
         out = torch.randn(3, 100) @ transposed  # 1200 + 1200 bytes
     assert tracker.peak == 2400 and out.shape == (3, 100)
+
+
+def test_a_registered_structure_estimate_is_listed_among_the_alternatives():
+    """A structure plugs in by registering its estimate (as hessian_structure="lowrank" will): refusals list it."""
+
+    @lm.register_structure_estimate("toy")
+    class _Toy(lm.StructureEstimate):
+        options = ("toy_rank",)
+
+        def stored(self, fp):
+            return {"k × P": fp.options["toy_rank"] * fp.num_params * fp.itemsize}
+
+    try:
+        model = nn.Sequential(nn.Linear(100, 110), nn.ReLU(), nn.Linear(110, 7))
+        bw.methods.laplace.laplace.Laplace.toy_rank = 5
+        with pytest.raises(MemoryBudgetError, match=r"hessian_structure='toy' \(232\.17 KiB\)"):
+            bw.wrap(model, "laplace", num_data=100, hessian_structure="full", memory_budget="10MB")
+    finally:
+        del lm.STRUCTURE_ESTIMATES["toy"]
+        del bw.methods.laplace.laplace.Laplace.toy_rank

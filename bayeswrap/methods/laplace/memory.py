@@ -98,6 +98,7 @@ class Footprint:
         backend: ``curvature_backend``.
         last_layer: whether only the last layer is Bayesian (then ``head`` is (D̃, K), D̃ = D + 1 with a bias).
         head: the last layer's (input features incl. the bias column, outputs).
+        options: the structures' own options, ``{attribute: value}`` (:attr:`StructureEstimate.options`).
     """
 
     num_params: int
@@ -115,13 +116,32 @@ class Footprint:
     backend: str = "layers"
     last_layer: bool = False
     head: tuple[int, int] = (0, 0)
+    options: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- the registry
 class StructureEstimate:
     """Peak-memory estimates of one ``hessian_structure``, bytes; subclass and register with
     :func:`register_structure_estimate`. Each method returns ``{term: bytes}``, whose sum is the peak.
+
+    A structure with options of its own names them in :attr:`options` (attributes of the Laplace model); their
+    values reach the estimates as ``fp.options``. A low-rank structure, for instance::
+
+        @register_structure_estimate("lowrank")
+        class LowRankEstimate(StructureEstimate):
+            options = ("lowrank_rank",)
+
+            def stored(self, fp):  # k eigenpairs (and the optional diagonal remainder)
+                k = fp.options["lowrank_rank"]
+                return {"eigenvectors (k × P)": k * fp.num_params * fp.itemsize,
+                        "diagonal (curvature, variances)": 3 * fp.num_params * fp.itemsize}
+
+    and its constructor calls :func:`check_stored` before allocating; :meth:`fit`, :meth:`glm` and :meth:`draws`
+    default to the diagonal's (override them with the structure's own work).
     """
+
+    #: attributes of the Laplace model this structure's estimates read (``fp.options``)
+    options: tuple[str, ...] = ()
 
     def stored(self, fp: Footprint) -> dict[str, int]:
         """What the fitted posterior keeps (allocated at construction or by the fit)."""
@@ -368,7 +388,7 @@ def probe(bnn, x, structure_layers=()) -> Footprint:
                      outputs=outputs, vectors=vectors, graph=graph, constant=constant, forward_peak=forward_peak, largest=largest,
                      largest_tensor=max(t.numel() for t in bnn.theta.values()), layers=sizes, kron=kron,
                      diag_rest=rest, backend=bnn.curvature_backend, last_layer=bnn.last_layer_name is not None,
-                     head=head)
+                     head=head, options=structure_options(bnn))
 
 
 def _outputs_per_example(bnn, x) -> int:
@@ -382,6 +402,11 @@ def total(parts: dict[str, int]) -> int:
 
 
 # ---------------------------------------------------------------------- checks used by Laplace
+def structure_options(bnn) -> dict:
+    """``{attribute: value}`` of the options every registered structure's estimates read (None where unset)."""
+    return {a: getattr(bnn, a, None) for est in STRUCTURE_ESTIMATES.values() for a in est.options}
+
+
 def budget_of(bnn) -> float:
     """``bnn.memory_budget`` in bytes (``None``: the free memory of the parameters' device now)."""
     return resolve_budget(getattr(bnn, "memory_budget", None), next(iter(bnn.theta.values())).device)
@@ -392,7 +417,7 @@ def static_footprint(bnn, kron: dict[str, tuple[int, int]] | None = None, rest: 
     ref = next(iter(bnn.theta.values()))
     return Footprint(num_params=sum(t.numel() for t in bnn.theta.values()), itemsize=ref.element_size(), outputs=0,
                      vectors=0, graph=0, largest=0, kron=dict(kron or {}), diag_rest=rest,
-                     backend=getattr(bnn, "curvature_backend", "layers"))
+                     backend=getattr(bnn, "curvature_backend", "layers"), options=structure_options(bnn))
 
 
 def kron_sizes(bnn, layers: dict[str, tuple[str, str | None]]) -> tuple[dict[str, tuple[int, int]], int]:
@@ -418,7 +443,7 @@ def head_footprint(fp: Footprint, bnn) -> Footprint | None:
     # no graph through the body: its forward holds at most the forward's peak per example
     return Footprint(num_params=d * k, itemsize=fp.itemsize, outputs=fp.outputs, vectors=fp.vectors,
                      graph=fp.forward_peak, forward_peak=fp.forward_peak, largest=0, layers={name: size}, kron={name: (d - (layer.bias is not None), k)},
-                     backend=fp.backend, last_layer=True, head=(d, k))
+                     backend=fp.backend, last_layer=True, head=(d, k), options=fp.options)
 
 
 def alternatives(bnn, fp: Footprint, batch: int, phase: str = "fit") -> dict[str, int]:
@@ -480,8 +505,11 @@ def check_stored(bnn, structure: str, layers: dict[str, tuple[str, str | None]])
     fits = {}
     for name, other in STRUCTURE_ESTIMATES.items():
         if name != structure and (name != "kron" or kron):
-            fits[f"hessian_structure={name!r}"] = total({**other.stored(fp),
-                                                         **getattr(other, "_decomposition", lambda f: {})(fp)})
+            try:
+                fits[f"hessian_structure={name!r}"] = total({**other.stored(fp),
+                                                             **getattr(other, "_decomposition", lambda f: {})(fp)})
+            except Exception:  # an estimate that needs what this footprint lacks: not listed
+                continue
     check_budget(f"hessian_structure={structure!r} over {fp.num_params} Bayesian parameters (its storage and "
                  "eigendecomposition)", total(parts), budget, fits, parts)
 
