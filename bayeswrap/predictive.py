@@ -16,6 +16,7 @@ import torch
 from bayeswrap.core.batches import batch_pair, check_inputs_finite, class_labels, to_device
 from bayeswrap.core.checks import check_int
 from bayeswrap.core.likelihoods import at_least_float32
+from bayeswrap.core.memory import check_budget, parse_budget, resolve_budget
 from bayeswrap.core.token_likelihoods import TOKEN_LIKELIHOODS
 from bayeswrap.evaluation import calibration, regression
 from bayeswrap.evaluation.tokens import valid_tokens
@@ -103,7 +104,8 @@ def predict_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generato
 
 @torch.no_grad()
 def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
-                        generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        generator: torch.Generator | None = None,
+                        memory_budget: int | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Class probabilities under each posterior sample, for every example of a loader.
 
     The per-sample view behind the uncertainty measures of
@@ -116,6 +118,10 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
         loader: iterable of ``(inputs, targets)`` batches, inputs as in :func:`predict_loader`.
         num_samples: S ≥ 0; ``0`` evaluates the posterior mean once (an ensemble: each member's mean).
         generator: optional ``torch.Generator`` for reproducible samples.
+        memory_budget: bytes of CPU memory the (S, N, K) probabilities may take (kept per batch, then
+            concatenated: twice their size at the peak); ``None``: the CPU's free memory; or a string such as
+            ``"2GiB"`` (:func:`bayeswrap.core.memory.parse_budget`). Checked after the first batch, from
+            ``len(loader.dataset)`` where the loader has a sized dataset, else before each batch is kept.
 
     Returns:
         ``(sample_probs, targets)``: ``sample_probs`` of shape (max(S, 1), N, K) (S = 0 for an
@@ -129,13 +135,19 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
             pairs (or targets that are not a tensor), non-finite inputs, or outputs that
             are not (B, K) logits.
         NotFittedError: if the posterior does not exist yet.
+        MemoryBudgetError: (a ``MemoryError``) if the (S, N, K) probabilities are estimated above
+            ``memory_budget`` (naming the estimate, the budget and the largest S that fits), before more than one
+            batch is evaluated where N is known.
     """
     if bnn.likelihood.name != "categorical":
         raise ValueError(f"sample_probs_loader needs a categorical likelihood; this model's is "
                          f"{bnn.likelihood.name!r}")
     num_samples = check_int("num_samples", num_samples, minimum=0)
+    budget = resolve_budget(parse_budget(memory_budget), "cpu")
+    total = _dataset_size(loader)
     device = model_device(bnn)
     probs, targets = [], []
+    kept = 0
     with _shared_draws(bnn):
         for index, batch in enumerate(loader):
             x, y = batch_pair(batch, f"the loader's batch {index}", bnn.label_key)
@@ -147,7 +159,10 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
             else:
                 outs = bnn.sample_logits(x, num_samples, generator=generator)
             bnn.likelihood.check_outputs(outs[0])
-            probs.append(at_least_float32(outs).softmax(-1).cpu())
+            p = at_least_float32(outs).softmax(-1).cpu()
+            kept += p.nbytes
+            _check_kept_probs(p, kept if total is None else p.nbytes * total / p.shape[1], budget, num_samples)
+            probs.append(p)
             targets.append(_targets_on_cpu(bnn, y))
     if not probs:
         raise ValueError("the loader yielded no batches")
@@ -156,7 +171,8 @@ def sample_probs_loader(bnn: BayesianModel, loader, num_samples: int = 5, *,
 
 @torch.no_grad()
 def predictive_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, generator: torch.Generator | None = None,
-                      samples: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                      samples: bool = True, memory_budget: int | str | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The model's posterior predictive for every example of a loader, and the per-sample probabilities.
 
     The predictive is what :meth:`BayesianModel.predict` computes with the model's
@@ -176,6 +192,7 @@ def predictive_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, gener
         generator: optional ``torch.Generator`` for reproducible samples.
         samples: whether the per-sample probabilities are wanted (False: returned as None, and a predictive
             that is not their average makes no second pass).
+        memory_budget: the per-sample probabilities' budget, as in :func:`sample_probs_loader`.
 
     Returns:
         ``(probs, sample_probs, targets)``: the predictive (N, K) float64; the per-sample probabilities
@@ -186,6 +203,7 @@ def predictive_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, gener
     Raises:
         ValueError: as :func:`sample_probs_loader` and :func:`predict_loader`.
         NotFittedError: if the posterior does not exist yet.
+        MemoryBudgetError: as :func:`sample_probs_loader`.
     """
     if bnn.likelihood.name != "categorical":
         raise ValueError(f"predictive_loader needs a categorical likelihood; this model's is "
@@ -193,13 +211,34 @@ def predictive_loader(bnn: BayesianModel, loader, num_samples: int = 5, *, gener
     num_samples = check_int("num_samples", num_samples, minimum=0)
     bnn._check_ready()
     if bnn.default_predictive().is_sample_average(bnn, num_samples):
-        sample_probs, targets = sample_probs_loader(bnn, loader, num_samples, generator=generator)
+        sample_probs, targets = sample_probs_loader(bnn, loader, num_samples, generator=generator,
+                                                    memory_budget=memory_budget)
         return sample_probs.double().mean(0), sample_probs if samples else None, targets
     probs, targets = predict_loader(bnn, loader, num_samples, generator=generator)
     sample_probs = None
     if samples and num_samples >= 2:
-        sample_probs = sample_probs_loader(bnn, loader, num_samples, generator=generator)[0]
+        sample_probs = sample_probs_loader(bnn, loader, num_samples, generator=generator,
+                                           memory_budget=memory_budget)[0]
     return probs.double(), sample_probs, targets
+
+
+def _dataset_size(loader) -> int | None:
+    """N, the number of examples of a loader with a sized dataset (a ``DataLoader``), else None."""
+    dataset = getattr(loader, "dataset", None)
+    try:
+        return len(dataset) if dataset is not None else None
+    except TypeError:  # an iterable dataset
+        return None
+
+
+def _check_kept_probs(batch_probs: torch.Tensor, kept: float, budget: float, num_samples: int) -> None:
+    """Refuses per-sample probabilities whose (S, N, K) total ``kept`` (bytes) and their concatenation exceed the
+    budget, naming the largest S that fits.
+    """
+    per_sample = kept / max(1, batch_probs.shape[0])
+    fits = int(budget // (2 * per_sample)) if per_sample else 0
+    check_budget(f"the per-sample probabilities {tuple(batch_probs.shape[:1])} × N × K (kept, then concatenated)",
+                 int(2 * kept), budget, {f"num_samples={fits}": int(2 * per_sample * fits)} if fits >= 1 else {})
 
 
 def _checked_tensor(y) -> torch.Tensor:

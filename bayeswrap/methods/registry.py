@@ -270,10 +270,19 @@ def method_table() -> str:
     """The README's method table, rendered from :data:`METHODS` (a test checks that README.md holds it).
 
     One row per registered method, in listing order: its name, its class, what it is (the first paragraph of
-    the class docstring) and its own options (:func:`method_options`).
+    the class docstring) and its own options (:func:`method_options`). A subclass of a method listed before it
+    that takes all of that method's options says so (``those of "laplace"``) and names only the others.
     """
     rows = ["| name | class | what it is | own options |", "| --- | --- | --- | --- |"]
+    listed: dict[str, tuple[type, list[str]]] = {}
     for name, cls in METHODS.items():
-        options = ", ".join(f"`{o}`" for o in method_options(name)) or "the common ones only"
-        rows.append(f'| `"{name}"` | `{cls.__name__}` | {_markdown(summary(cls))} | {options} |')
+        own = method_options(name)
+        parent = next((p for p, (base, opts) in listed.items()
+                       if opts and base in cls.__mro__[1:] and set(opts) <= set(own)), None)
+        shown = [o for o in own if parent is None or o not in listed[parent][1]]
+        options = ", ".join(f"`{o}`" for o in shown)
+        if parent is not None:
+            options = f'those of `"{parent}"`' + (f", {options}" if options else "")
+        rows.append(f'| `"{name}"` | `{cls.__name__}` | {_markdown(summary(cls))} | {options or "the common ones only"} |')
+        listed[name] = (cls, own)
     return "\n".join(rows) + "\n"

@@ -62,6 +62,7 @@ from bayeswrap.core.reductions import gather_tokens, token_index
 from bayeswrap.core.token_likelihoods import IGNORE_INDEX, TOKEN_LIKELIHOODS
 from bayeswrap.methods.laplace.curvature import LayerCurvature
 from bayeswrap.methods.laplace.kernels import has_recurrent, native_kernels
+from bayeswrap.methods.laplace.memory import plan_chunk
 from bayeswrap.methods.laplace.structures import FullPosterior, LinearCapture, delta_of, network_jacobian
 
 if TYPE_CHECKING:
@@ -234,6 +235,10 @@ class CurvatureFitting:
             FloatingPointError: if the log-likelihood or the curvature is not
                 finite although the inputs are (θ* non-finite, or overflow). The
                 posterior is left unchanged on any error.
+            MemoryBudgetError: (a ``MemoryError``) if a batch's estimated peak exceeds ``memory_budget`` even at
+                ``curvature_chunk_size=1``, before the batch's work (the message names the estimate, the budget
+                and the structures that fit; :mod:`bayeswrap.methods.laplace.memory`). A default chunk size is
+                lowered, for this fit only, until the estimate fits.
 
         Warns:
             RuntimeWarning: if Σ_i v_i > 10 Σ_i θ*_i² (the weights sampled by
@@ -252,6 +257,7 @@ class CurvatureFitting:
         structure = self._structure
         diag_wanted = (structure is None or bool(getattr(structure, "diag_names", ()))
                        or getattr(structure, "wants_diagonal", False))
+        chunk_given, budget_plan = self.curvature_chunk_size, {}
         if structure is not None:
             structure.fitted.fill_(False)
             structure.reset()
@@ -262,6 +268,8 @@ class CurvatureFitting:
                 for index, batch in enumerate(train_loader):
                     x, y = loader_pair(batch, f"fit_curvature's loader batch {index}", self.label_key, device,
                                        self.likelihood.name == "categorical")
+                    # the batch's peak estimated before its work: the chunk sized to memory_budget, or refused
+                    self.curvature_chunk_size = plan_chunk(self, x, "fit", budget_plan)
                     out = self.forward_with(theta, x)
                     self.likelihood.check_targets(out, y)
                     batch_log_lik = -example_nll(self.likelihood, out, y).double().sum()
@@ -298,6 +306,7 @@ class CurvatureFitting:
                 all_reduce_sum_([*curv.values(), log_lik, count, residuals, *factors])
                 seen, units = (int(round(float(c))) for c in count)
             finally:
+                self.curvature_chunk_size = chunk_given
                 self.train(was_training)
         if seen == 0:
             raise ValueError("fit_curvature got an empty loader; it needs at least one (inputs, targets) batch")

@@ -49,6 +49,7 @@ from bayeswrap.core.functional import outside_inference_mode, vmap_over_examples
 from bayeswrap.core.likelihoods import at_least_float32
 from bayeswrap.methods.laplace.fitting import basis_vectors, is_token_likelihood
 from bayeswrap.methods.laplace.kernels import has_recurrent, native_kernels
+from bayeswrap.methods.laplace.memory import plan_chunk
 from bayeswrap.methods.laplace.structures import FullPosterior
 from bayeswrap.methods.predictives import Predictive, refuse_options
 
@@ -112,16 +113,26 @@ class LinearisedPredictive:
         Raises:
             NotFittedError: before :meth:`fit_curvature`.
             ValueError: if a floating input contains NaN or inf.
+            MemoryBudgetError: (a ``MemoryError``) if the estimated peak exceeds ``memory_budget`` even at
+                ``curvature_chunk_size=1`` (checked before the work; a default chunk is lowered to fit).
         """
         self._check_ready()
         check_inputs_finite(x)
         return self._functional_moments(x)
 
     def _functional_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`functional_moments` on checked inputs."""
-        if self._structure is not None:
-            return self._structured_moments(x)
-        return self._diag_moments(x, self.posterior_var.as_dict())
+        """:meth:`functional_moments` on checked inputs, with the chunk sized to ``memory_budget`` (or refused
+        before any work: :class:`~bayeswrap.core.memory.MemoryBudgetError`).
+        """
+        chunk_given = self.curvature_chunk_size
+        with self._evaluating():
+            self.curvature_chunk_size = plan_chunk(self, x, "glm", {})
+        try:
+            if self._structure is not None:
+                return self._structured_moments(x)
+            return self._diag_moments(x, self.posterior_var.as_dict())
+        finally:
+            self.curvature_chunk_size = chunk_given
 
     def _structured_moments(self, x) -> tuple[torch.Tensor, torch.Tensor]:
         """f(x; θ*) and diag(J P^{-1} Jᵀ) for ``hessian_structure`` ``"full"`` or ``"kron"``."""

@@ -80,14 +80,17 @@ import torch
 
 from bayeswrap.core.checks import check_bool, check_choice, check_scale
 from bayeswrap.core.functional import NamedTensors, _mangle
+from bayeswrap.core.memory import parse_budget
 from bayeswrap.core.token_likelihoods import TOKEN_LIKELIHOODS
 from bayeswrap.methods.base import BayesianModel, NotFittedError, check_int, register_method
 from bayeswrap.methods.laplace.fitting import CURVATURE_BACKENDS, CURVATURES, CurvatureFitting
 from bayeswrap.methods.laplace.glm import LINK_APPROXES, PRED_TYPES, LinearisedPredictive
 from bayeswrap.methods.laplace.lowrank import LowRankPosterior
 from bayeswrap.methods.laplace.marglik import PriorPrecisionSearch, positive_precision
+from bayeswrap.methods.laplace.memory import check_draws, check_stored
 from bayeswrap.methods.laplace.structures import (
     HESSIAN_STRUCTURES,
+    MAX_FULL_PARAMS,
     SUBSETS_OF_WEIGHTS,
     FullPosterior,
     KronPosterior,
@@ -188,6 +191,14 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
             variance 1/(h + δ) of the diagonal Laplace posterior) or
             ``"largest_magnitude"`` (|θ*|); other scores (e.g. SWAG's variances)
             by :meth:`use_subnetwork_scores`.
+        memory_budget: the bytes the curvature fit, the GLM predictive and the draws may allocate at their peak:
+            ``None`` (default: the device's free memory at the time of each check), a number of bytes, or a
+            string such as ``"2GiB"`` or ``"500MB"`` (:func:`bayeswrap.core.memory.parse_budget`). Each estimates
+            its peak before allocating (:mod:`bayeswrap.methods.laplace.memory`); a ``curvature_chunk_size`` left
+            at its default 32 is halved until the estimate fits, and what cannot fit raises
+            :class:`~bayeswrap.core.memory.MemoryBudgetError` naming the estimate, the budget and the
+            structures whose estimate fits. The posterior's own storage (the dense P × P matrix of ``"full"``,
+            the Kronecker factors) is checked at construction.
 
     Attributes:
         theta: θ* (trained as MAP).
@@ -213,7 +224,10 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
             ``nn.Linear`` for ``"last_layer"``, ``hessian_structure="full"``
             over more than ``MAX_FULL_PARAMS`` parameters, or ``"full"``/``"kron"``
             with a flat bias prior (``bias="uninformative"``), or a token likelihood (``"causal_lm"``,
-            ``"token_categorical"``) with ``curvature_backend="vmap"``.
+            ``"token_categorical"``) with ``curvature_backend="vmap"``, or a ``memory_budget`` that is not a
+            memory size (the message lists the accepted forms).
+        MemoryBudgetError: (a ``MemoryError``) if the posterior's storage (and its eigendecomposition) is
+            estimated above ``memory_budget``, before it is allocated.
 
     Warns:
         RuntimeWarning: ``hessian_structure="kron"`` with Bayesian parameters
@@ -235,8 +249,10 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
                  curvature_backend: str = "layers", hessian_structure: str = "diag",
                  subset_of_weights: str = "auto", low_rank: int = 10, low_rank_diagonal: bool = False,
                  low_rank_power_iterations: int = 2, n_params_subnet: int | None = None,
-                 subnetwork_score: str = "largest_variance", **kwargs):
+                 subnetwork_score: str = "largest_variance",
+                 memory_budget: int | str | None = None, **kwargs):
         check_choice("curvature", curvature, CURVATURES)
+        self.memory_budget = parse_budget(memory_budget)
         self.hessian_structure = check_choice("hessian_structure", hessian_structure, HESSIAN_STRUCTURES)
         subset_of_weights = check_choice("subset_of_weights", subset_of_weights, SUBSETS_OF_WEIGHTS + ("auto",))
         if kwargs.get("params") == "last_layer":  # the same choice as subset_of_weights="last_layer"
@@ -306,13 +322,6 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
                              "bias='informative', or hessian_structure='diag'")
         ref = next(iter(init.values()))
         shapes = {n: t.shape for n, t in init.items()}
-        if self.subset_of_weights == "subnetwork":
-            return SubnetPosterior(shapes, self.n_params_subnet, self.subnetwork_score, ref.dtype, ref.device)
-        if self.hessian_structure == "full":
-            return FullPosterior(shapes, ref.dtype, ref.device)
-        if self.hessian_structure == "lowrank":
-            return LowRankPosterior(shapes, self.low_rank, self.low_rank_diagonal, self.low_rank_power_iterations,
-                                    ref.dtype, ref.device)
         layers, covered = {}, set()
         for name, module in self.model.named_modules():
             if not kron_layer(module):
@@ -322,12 +331,26 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
             if w in init:
                 layers[name] = (w, b if b in init else None)
                 covered |= {w, b}
+        if self.subset_of_weights == "subnetwork":
+            if self.n_params_subnet <= MAX_FULL_PARAMS:  # else SubnetPosterior says so
+                check_stored(self, "subnetwork", layers)
+            return SubnetPosterior(shapes, self.n_params_subnet, self.subnetwork_score, ref.dtype, ref.device)
+        if self.hessian_structure == "lowrank":
+            if self.low_rank <= sum(t.numel() for t in init.values()):  # else LowRankPosterior says so
+                check_stored(self, "lowrank", layers)
+            return LowRankPosterior(shapes, self.low_rank, self.low_rank_diagonal, self.low_rank_power_iterations,
+                                    ref.dtype, ref.device)
+        if self.hessian_structure == "full":
+            if sum(t.numel() for t in init.values()) <= MAX_FULL_PARAMS:  # else FullPosterior says so
+                check_stored(self, "full", layers)  # the Kron layers: is "kron" an alternative that fits
+            return FullPosterior(shapes, ref.dtype, ref.device)
         rest = [n for n in init if n not in covered]
         if rest:
             warnings.warn(f"hessian_structure='kron' covers the weight and bias of nn.Linear and nn.Conv2d layers "
                           f"(groups=1, numeric zero padding); the Bayesian "
                           f"parameters {rest[:6]}{' ...' if len(rest) > 6 else ''} keep a diagonal curvature",
                           RuntimeWarning, stacklevel=4)
+        check_stored(self, "kron", layers)
         return KronPosterior(layers, rest, shapes, ref.dtype, ref.device)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -450,6 +473,7 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
         (:meth:`~bayeswrap.methods.laplace.structures.FullPosterior.sample_deltas`).
         """
         if self._structure is None:
+            check_draws(self, num_samples)
             return super()._draw(num_samples, generator)
         deltas = self._sample_deltas(num_samples, generator)
         return {n: t.detach() + deltas[n] for n, t in self.theta.items()}
@@ -539,6 +563,7 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
 
     def _sample_deltas(self, count: int, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
         """θ_s − θ* = sqrt(v) ε, drawn like :meth:`sample` draws (the same ε for the same generator)."""
+        check_draws(self, count)
         if self._structure is not None:
             self._check_ready()
             deltas = self._structure.sample_deltas(count, generator, self._delta())
