@@ -99,6 +99,8 @@ class Footprint:
         last_layer: whether only the last layer is Bayesian (then ``head`` is (D̃, K), D̃ = D + 1 with a bias).
         head: the last layer's (input features incl. the bias column, outputs).
         options: the structures' own options, ``{attribute: value}`` (:attr:`StructureEstimate.options`).
+        measured: what the model's own structure measured on one and two examples
+            (:meth:`StructureEstimate.measure`; empty for a :func:`static_footprint`), ``{term: bytes}``.
     """
 
     num_params: int
@@ -117,6 +119,7 @@ class Footprint:
     last_layer: bool = False
     head: tuple[int, int] = (0, 0)
     options: dict = field(default_factory=dict)
+    measured: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- the registry
@@ -146,6 +149,21 @@ class StructureEstimate:
     label: str = "hessian_structure={name!r}"
     #: whether it is also an alternative over the last layer only
     last_layer_alternative: bool = True
+
+    def read_options(self, bnn) -> dict:
+        """``{option: value}`` of this structure's :attr:`options` on a Laplace model (None where unset); a structure
+        may add values derived from the model (the subnetwork: the tensors its Jacobians cover).
+        """
+        return {a: getattr(bnn, a, None) for a in self.options}
+
+    def measure(self, bnn, x, fp: Footprint) -> dict[str, float]:
+        """Peaks (bytes) of this structure's own batched work measured on a few examples of ``x`` under a
+        :class:`~bayeswrap.core.memory.PeakTracker`, called by :func:`probe` (``fp``: its footprint so far) for the
+        model's structure only. The estimates fall back on the forward's sizes without them (a refusal's
+        alternatives, or where the measurement itself would take over a quarter of the budget: then nothing is
+        measured).
+        """
+        return {}
 
     def stored(self, fp: Footprint) -> dict[str, int]:
         """What the fitted posterior keeps (allocated at construction or by the fit)."""
@@ -283,63 +301,206 @@ class FullEstimate(StructureEstimate):
 
 @register_structure_estimate("lowrank")
 class LowRankEstimate(StructureEstimate):
-    """Low rank (:mod:`bayeswrap.methods.laplace.lowrank`): U (P × k) and D stored; the fit holds the subspace
-    iteration's basis, product and pass sum (3 × P × l, l = k + 10 columns) and, per chunk of c columns, c vmapped
-    forward-mode products and pullbacks (parameter- and activation-sized each); the GLM adds c forward-mode products
-    to the diagonal's variances; a draw is ε, its projection and the SVD of C (P × k).
+    """Low rank (:mod:`bayeswrap.methods.laplace.lowrank`), bytes; l = min(k + 10, P) columns, c = min(chunk, l).
+
+    * stored: U (P × k) and D, the curvature and the variances;
+    * the fit: the range finder's basis, running product, pass sum and its scaled copy (4 × P × l), and one
+      :func:`~bayeswrap.methods.laplace.lowrank.curvature_product` at a time: the batch's autograd graph (its
+      ``vjp``), then per chunk of c columns the larger of the vmapped forward-mode products (``jvp``) and the
+      vmapped pullbacks (with their c × P gradients), and the earlier chunks' columns (l − c) × P; with
+      ``low_rank_diagonal`` the diagonal's work (:func:`_diagonal_work`) in the same pass, after the product;
+    * the GLM: 1/a (P), the diagonal variances' work, then per chunk of c ≤ k columns of C their tangents
+      (c × P) and the vmapped ``jvp``; the factor C (P × k) is computed by the fit and cached, so it is not
+      counted (a prior precision changed since adds about 3 × P × k);
+    * draws: ε, its projection and the scaled draw (3 × S × P) and the thin SVD of C (2 × P × k).
+
+    The ``jvp`` and pullback per column and example are measured by :meth:`measure` on one example with one and
+    two columns (:attr:`Footprint.measured`); without them (a refusal's alternatives), the forward's graph per
+    example stands for each.
     """
 
     options = ("low_rank", "low_rank_diagonal")
+
+    def measure(self, bnn, x, fp):
+        """The vmapped ``jvp`` and pullback of c columns on B examples at (c, B) = (2, 2), (2, 4), (4, 4) (fewer
+        examples when ``x`` has fewer), each fitted as κ + B·α + c·B·β (bytes; the pullback's c × P gradients
+        apart): at one column or one example other kernels run, so those are not measured.
+        """
+        from torch.func import jvp, vjp, vmap
+
+        small, large = (2, 4) if batch_size(x) >= 4 else (1, min(2, batch_size(x)))
+        if max(self._jvp(fp, large, 4), self._pullback(fp, large, 4)) + large * fp.graph > budget_of(bnn) / 4:
+            return {}
+        theta = {n: t.detach() for n, t in bnn.theta.items()}
+        grads = sum(t.numel() * t.element_size() for t in theta.values())
+        peaks = {}
+        for c, count in ((2, small), (2, large), (4, large)):
+            xb = take(x, slice(0, count))
+            forward = lambda th, xb=xb: bnn.forward_with(th, xb)  # noqa: E731
+            tangents = {n: torch.ones(c, *t.shape, dtype=t.dtype, device=t.device) for n, t in theta.items()}
+            with torch.enable_grad():
+                with PeakTracker() as tracker:
+                    vmap(lambda t: jvp(forward, (theta,), (t,))[1])(tangents)
+                peaks["jvp", c, count] = tracker.peak
+                f, pullback = vjp(forward, theta)
+                cot = torch.ones(c, *f.shape, dtype=f.dtype, device=f.device)
+                with PeakTracker() as tracker:
+                    vmap(pullback)(cot)
+                peaks["pullback", c, count] = tracker.peak - c * grads  # the gradients are counted apart
+            del f, pullback
+        out = {}
+        for what in ("jvp", "pullback"):
+            p1, p2, p3 = peaks[what, 2, small], peaks[what, 2, large], peaks[what, 4, large]
+            per = max(0.0, (p3 - p2) / (2 * large))  # β: per column and example
+            base = 0.0 if large == small else (p2 - p1) / (large - small) - 2 * per  # α: per example
+            out[f"{what} per column and example"] = per
+            out[f"{what} per example"] = base
+            out[f"{what} fixed"] = p1 - small * (base + 2 * per)  # κ
+        return out
 
     def _columns(self, fp) -> int:
         from bayeswrap.methods.laplace.lowrank import OVERSAMPLING
 
         return min(int(fp.options["low_rank"]) + OVERSAMPLING, fp.num_params)
 
+    def _rank(self, fp) -> int:
+        return min(int(fp.options["low_rank"]), fp.num_params)
+
+    @staticmethod
+    def _jvp(fp, batch, c) -> int:
+        """The peak of c vmapped forward-mode products on a batch, bytes."""
+        m = fp.measured
+        if "jvp per column and example" not in m:
+            return batch * (fp.forward_peak + c * fp.graph)
+        return max(0, int(m["jvp fixed"] + batch * (m["jvp per example"] + c * m["jvp per column and example"])))
+
+    @staticmethod
+    def _pullback(fp, batch, c) -> int:
+        """The peak of c vmapped pullbacks through a batch's graph, with their c × P gradients, bytes."""
+        m = fp.measured
+        grads = c * fp.num_params * fp.itemsize
+        if "pullback per column and example" not in m:
+            return grads + c * batch * fp.graph
+        return grads + max(0, int(m["pullback fixed"] + batch * (m["pullback per example"]
+                                                                  + c * m["pullback per column and example"])))
+
     def stored(self, fp):
-        p, k, s = fp.num_params, min(int(fp.options["low_rank"]), fp.num_params), fp.itemsize
+        p, k, s = fp.num_params, self._rank(fp), fp.itemsize
         return {"eigenvectors U (P × k) and D": (k + 1) * p * s, "diagonal (curvature, variances)": 3 * p * s}
 
     def fit(self, fp, batch, chunk):
         p, s, cols = fp.num_params, fp.itemsize, self._columns(fp)
-        c = min(chunk, cols)
-        work = {"basis, product and pass sum (3 × P × l)": 3 * p * cols * s,
-                "autograd graph": batch * fp.graph + fp.constant,
-                "vmapped products and pullbacks (c columns)": c * (2 * p * s + batch * fp.graph),
-                "output-space coefficients": 2 * c * max(1, fp.vectors) * batch * fp.outputs * s}
-        if fp.options.get("low_rank_diagonal"):  # the exact diagonal, in the first pass
-            work = _larger(work, _diagonal_work(fp, batch, chunk, fp.vectors))
+        c = min(max(1, chunk), cols)
+        vectors = max(1, fp.vectors)
+        # jv (c, B, K) stays alive: with the coefficients (c, M, B) and cotangents (c, B, K) beside the pullbacks
+        per_chunk = max(self._jvp(fp, batch, c),
+                        self._pullback(fp, batch, c) + c * batch * (vectors + 2 * fp.outputs) * s)
+        work = {"range finder: basis, product, pass sum, scaled (4 × P × l)": 4 * p * cols * s,
+                "autograd graph (vjp)": batch * fp.graph + fp.constant,
+                "output-space vectors": vectors * batch * fp.outputs * s,
+                "earlier chunks' columns ((l − c) × P)": (cols - c) * p * s,
+                "vmapped jvp or pullbacks (c columns)": per_chunk}
+        if fp.options.get("low_rank_diagonal"):  # the exact diagonal, after the first pass's product
+            work = _larger(work, {"basis and product (2 × P × l)": 2 * p * cols * s,
+                                  **_diagonal_work(fp, batch, chunk, fp.vectors)})
         return {**self.stored(fp), **work}
 
     def glm(self, fp, batch, chunk):
-        p, s, k = fp.num_params, fp.itemsize, min(int(fp.options["low_rank"]), fp.num_params)
-        c = min(chunk, k)
-        products = {"factor C (P × k)": 2 * p * k * s, "vmapped forward-mode products (c columns)":
-                    c * batch * (fp.graph + 2 * fp.outputs * s)}
-        return _larger(_diagonal_work(fp, batch, chunk, fp.outputs), products)
+        p, s, k = fp.num_params, fp.itemsize, self._rank(fp)
+        c = min(max(1, chunk), k)
+        products = {"tangents of c columns of C (c × P)": c * p * s,
+                    "vmapped jvp (c columns)": self._jvp(fp, batch, c),
+                    "(J c_j)² and their sum": 2 * c * batch * fp.outputs * s}
+        return {"1/a (P)": p * s, **_larger(_diagonal_work(fp, batch, chunk, fp.outputs), products)}
 
     def draws(self, fp, count):
-        p, s, k = fp.num_params, fp.itemsize, min(int(fp.options["low_rank"]), fp.num_params)
-        return {"draws (ε, projected, scaled)": 3 * count * p * s, "SVD of C (P × k)": 2 * p * k * s}
+        p, s, k = fp.num_params, fp.itemsize, self._rank(fp)
+        return {"draws (ε, projected, scaled)": 3 * count * p * s, "thin SVD of C (P × k)": 2 * p * k * s}
 
 
 @register_structure_estimate("subnetwork")
 class SubnetEstimate(FullEstimate):
-    """Subnetwork (:mod:`bayeswrap.methods.laplace.subnetwork`): a dense n × n matrix over the ``n_params_subnet``
-    chosen entries (and its float64 eigendecomposition); the Jacobian chunks are at most the full structure's
-    (c × K × P: they cover the tensors holding a chosen entry); choosing by ``"largest_variance"`` first runs the
-    diagonal's fit.
+    """Subnetwork (:mod:`bayeswrap.methods.laplace.subnetwork`), bytes: a dense n × n matrix over the
+    ``n_params_subnet`` chosen entries (and its float64 eigendecomposition), and per chunk of c examples the
+    per-example Jacobians (c × K × P_J) over the P_J entries of the tensors holding a chosen entry
+    (:meth:`~bayeswrap.methods.laplace.subnetwork.SubnetPosterior.jacobian_names`), while the previous chunk's are
+    still alive (batches larger than c); then their products with the curvature vectors (M·c × P_J) or the
+    GLM's J_S Q. Choosing by ``"largest_variance"`` first runs the diagonal's fit.
+
+    P_J is known once the entries are chosen (after :meth:`~bayeswrap.methods.laplace.subnetwork.SubnetPosterior.prepare`,
+    so for the fit's batches and the GLM; for ``"largest_magnitude"`` from θ* even before the fit); until then
+    (e.g. at construction, or a refusal's alternatives) it is P, an upper bound. The Jacobians' cost per example is
+    measured by :meth:`measure` over those tensors on one and two examples; without it, 2 × K × P_J plus the
+    vmapped backward K × the forward's graph per example.
     """
 
     options = ("n_params_subnet", "subnetwork_score")
     label = "subset_of_weights='subnetwork', hessian_structure='full', n_params_subnet={n}"
     last_layer_alternative = False
 
+    def read_options(self, bnn):
+        out = super().read_options(bnn)
+        out["subnetwork_jacobian"] = out["subnetwork_jacobian_params"] = None
+        if getattr(bnn, "subset_of_weights", None) != "subnetwork" or not hasattr(bnn, "theta"):
+            return out
+        structure = getattr(bnn, "_structure", None)
+        names = structure.touched() if hasattr(structure, "touched") else None
+        given = getattr(structure, "scores", None) is not None
+        if names is None and bnn.subnetwork_score == "largest_magnitude" and not given and bnn.n_params_subnet:
+            from bayeswrap.methods.laplace.subnetwork import top_indices
+
+            theta = bnn.theta
+            flat = torch.cat([t.detach().reshape(-1).abs() for t in theta.values()])
+            chosen = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+            chosen[top_indices(flat, min(int(bnn.n_params_subnet), flat.numel()))] = True
+            parts = torch.split(chosen, [t.numel() for t in theta.values()])
+            names = tuple(n for n, m in zip(theta.keys(), parts) if bool(m.any()))
+        out["subnetwork_jacobian"] = names
+        if names is not None:
+            out["subnetwork_jacobian_params"] = sum(bnn.theta[n].numel() for n in names)
+        return out
+
+    def measure(self, bnn, x, fp):
+        """``network_jacobian`` over the :meth:`read_options` tensors (all before the entries are chosen) on 2 and 4
+        examples (1 and 2 for smaller batches), fitted as fixed + c × per example, bytes.
+        """
+        from bayeswrap.methods.laplace.structures import network_jacobian
+
+        theta = {n: t.detach() for n, t in bnn.theta.items()}
+        names = self.read_options(bnn)["subnetwork_jacobian"] or tuple(theta)
+        wrt = {n: theta[n] for n in names}
+        forward = lambda th, inp: bnn.forward_with({**theta, **th}, inp)  # noqa: E731
+        counts = (2, 4) if batch_size(x) >= 4 else (1, 2) if batch_size(x) >= 2 else (1,)
+        if self._jacobians(fp, counts[-1]) > budget_of(bnn) / 4:
+            return {}
+        peaks = []
+        for count in counts:  # one chunk of ``count`` examples (one example runs other kernels: avoided)
+            with torch.enable_grad(), PeakTracker() as tracker:
+                network_jacobian(forward, wrt, take(x, slice(0, count)), count)
+            peaks.append(tracker.peak)
+        if len(peaks) == 1:
+            return {"Jacobians": 0, "Jacobians per example": peaks[0]}
+        per = max(0, (peaks[1] - peaks[0]) // (counts[1] - counts[0]))
+        return {"Jacobians": peaks[0] - counts[0] * per, "Jacobians per example": per}
+
     def _sub(self, fp) -> Footprint:
         n = fp.options.get("n_params_subnet")
         if n is None:
             raise ValueError("n_params_subnet is not set")
         return Footprint(**{**fp.__dict__, "num_params": int(n)})
+
+    def _jacobian_params(self, fp) -> int:
+        """P_J: the entries of the tensors the Jacobians cover (P while the entries are not chosen)."""
+        return int(fp.options.get("subnetwork_jacobian_params") or fp.num_params)
+
+    def _jacobians(self, fp, c) -> int:
+        """``network_jacobian`` on c examples: its (c, K, P_J) result, the per-tensor pieces it concatenates and the
+        vmapped backward, bytes.
+        """
+        m = fp.measured
+        if "Jacobians per example" in m:
+            return max(0, m["Jacobians"] + c * m["Jacobians per example"])
+        return 2 * c * fp.outputs * self._jacobian_params(fp) * fp.itemsize + c * fp.outputs * fp.graph
 
     def stored(self, fp):
         sub = self._sub(fp)
@@ -349,19 +510,44 @@ class SubnetEstimate(FullEstimate):
     def _decomposition(self, fp):
         return super()._decomposition(self._sub(fp))
 
+    def _chunks(self, fp, batch, chunk) -> tuple[int, int]:
+        """``(c, bytes of one chunk's Jacobians)``."""
+        c = min(max(1, chunk), batch)
+        return c, c * fp.outputs * self._jacobian_params(fp) * fp.itemsize
+
     def fit(self, fp, batch, chunk):
-        n, p, s, k = self._sub(fp).num_params, fp.num_params, fp.itemsize, fp.outputs
-        c = min(chunk, batch)
-        work = {"Jacobians (c × K × P)": 2 * c * k * p * s, "Jacobian rows (M·c × P)": fp.vectors * c * p * s,
-                "n × n outer products": fp.vectors * c * n * s, "vmapped backward": c * k * fp.graph}
+        n, s = self._sub(fp).num_params, fp.itemsize
+        c, jac = self._chunks(fp, batch, chunk)
+        previous = jac if batch > c else 0
+        rows = max(1, fp.vectors) * c
+        work = _larger({"Jacobians of c examples (network_jacobian)": self._jacobians(fp, c),
+                        "the previous chunk's Jacobians": previous},
+                       {"Jacobians (c × K × P_J)": jac,
+                        "Jacobian rows (M·c × P_J) and their n chosen columns":
+                            rows * (jac // max(1, c * fp.outputs)) + rows * n * s})
         if fp.options.get("subnetwork_score") == "largest_variance":
-            work = _larger(work, _diagonal_work(fp, batch, chunk, fp.vectors))
+            work = _larger(work, self.score(fp, batch, chunk))
         return {**self.stored(fp), **_larger(work, self._decomposition(fp))}
 
+    def score(self, fp, batch, chunk):
+        """The scoring pass of ``"largest_variance"`` (:func:`~bayeswrap.methods.laplace.subnetwork.diagonal_curvature`,
+        checked on its first batch before its work): the diagonal's work and the P scores.
+        """
+        return {"scores (P)": fp.num_params * fp.itemsize, **_diagonal_work(fp, batch, chunk, fp.vectors)}
+
+    def glm(self, fp, batch, chunk):
+        n, s = self._sub(fp).num_params, fp.itemsize
+        c, jac = self._chunks(fp, batch, chunk)
+        previous = jac if batch > c else 0
+        return _larger({"Jacobians of c examples (network_jacobian)": self._jacobians(fp, c),
+                        "the previous chunk's Jacobians": previous},
+                       {"Jacobians (c × K × P_J)": jac, "J_S, J_S Q and its square (3 × c × K × n)":
+                        3 * c * fp.outputs * n * s})
+
     def draws(self, fp, count):
-        n = self._sub(fp).num_params
-        return {"draws (ε, ε Q, scaled, rotated back)": 4 * count * n * fp.itemsize,
-                "scattered into the parameters": count * fp.num_params * fp.itemsize}
+        n, p, s = self._sub(fp).num_params, fp.num_params, fp.itemsize
+        return _larger({"ε, ε Q, scaled, rotated back (4 × S × n)": 4 * count * n * s},
+                       {"deltas scattered into the parameters and θ* + δ (2 × S × P)": 2 * count * p * s})
 
 
 def structure_key(bnn) -> str:
@@ -482,11 +668,15 @@ def probe(bnn, x, structure_layers=()) -> Footprint:
     if bnn.last_layer_name is not None:
         w = bnn.theta[f"{bnn.last_layer_name}.weight" if bnn.last_layer_name else "weight"]
         head = (w.shape[1] + (len(bnn.theta) == 2), w.shape[0])
-    return Footprint(num_params=sum(t.numel() for t in bnn.theta.values()), itemsize=ref.element_size(),
+    fp = Footprint(num_params=sum(t.numel() for t in bnn.theta.values()), itemsize=ref.element_size(),
                      outputs=outputs, vectors=vectors, graph=graph, constant=constant, forward_peak=forward_peak, largest=largest,
                      largest_tensor=max(t.numel() for t in bnn.theta.values()), layers=sizes, kron=kron,
                      diag_rest=rest, backend=bnn.curvature_backend, last_layer=bnn.last_layer_name is not None,
                      head=head, options=structure_options(bnn))
+    own = STRUCTURE_ESTIMATES.get(structure_key(bnn))
+    if own is not None:
+        fp.measured = own.measure(bnn, x, fp)
+    return fp
 
 
 def _outputs_per_example(bnn, x) -> int:
@@ -502,7 +692,10 @@ def total(parts: dict[str, int]) -> int:
 # ---------------------------------------------------------------------- checks used by Laplace
 def structure_options(bnn) -> dict:
     """``{attribute: value}`` of the options every registered structure's estimates read (None where unset)."""
-    return {a: getattr(bnn, a, None) for est in STRUCTURE_ESTIMATES.values() for a in est.options}
+    out = {}
+    for est in STRUCTURE_ESTIMATES.values():
+        out.update(est.read_options(bnn))
+    return out
 
 
 def budget_of(bnn) -> float:
@@ -640,7 +833,8 @@ def cached_probe(bnn, x) -> Footprint:
     """
     key = (tuple((name, tuple(t.shape[1:]), t.dtype, t.device) for name, t in tensor_leaves(x)),
            structure_key(bnn), bnn.last_layer_name, bnn.curvature, bnn.curvature_samples, bnn.curvature_backend,
-           tuple((n, tuple(t.shape), t.dtype) for n, t in bnn.theta.items()))
+           tuple((n, tuple(t.shape), t.dtype) for n, t in bnn.theta.items()),
+           tuple(sorted(structure_options(bnn).items())))  # e.g. the tensors a subnetwork's Jacobians cover
     cached = bnn.__dict__.get("_memory_footprint")
     if cached is None or cached[0] != key:
         cached = (key, probe(bnn, x, getattr(bnn._structure, "layers", {}) or {}))
@@ -649,8 +843,8 @@ def cached_probe(bnn, x) -> Footprint:
 
 
 def plan_chunk(bnn, x, phase: str, cache: dict) -> int:
-    """The ``curvature_chunk_size`` for a batch ``x`` of :meth:`~bayeswrap.Laplace.fit_curvature` (``phase="fit"``)
-    or of the GLM predictive's variances (``"glm"``), within the budget; probes the model once per ``cache``
+    """The ``curvature_chunk_size`` for a batch ``x`` of :meth:`~bayeswrap.Laplace.fit_curvature` (``phase="fit"``),
+    of the GLM predictive's variances (``"glm"``) or of a subnetwork's scoring pass (``"score"``), within the budget; probes the model once per ``cache``
     (a dict the caller keeps for one fit or one call) and re-plans when the batch grows.
 
     Raises:
@@ -665,7 +859,9 @@ def plan_chunk(bnn, x, phase: str, cache: dict) -> int:
     if "footprint" not in cache:
         cache["footprint"] = cached_probe(bnn, x)
     fp = cache["footprint"]
-    what = "fit_curvature" if phase == "fit" else "the GLM predictive's functional variances"
-    chunk = size_chunk(bnn, what, lambda c: getattr(est, phase)(fp, batch, c), batch, fp, phase)
+    what = {"fit": "fit_curvature", "glm": "the GLM predictive's functional variances",
+            "score": "fit_curvature's scoring pass (subnetwork_score='largest_variance')"}[phase]
+    chunk = size_chunk(bnn, what, lambda c: getattr(est, phase)(fp, batch, c), batch, fp,
+                       "glm" if phase == "glm" else "fit")
     cache.update(batch=batch, chunk=chunk)
     return chunk

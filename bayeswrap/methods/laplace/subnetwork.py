@@ -45,6 +45,7 @@ import torch
 
 from bayeswrap.core.batches import loader_pair
 from bayeswrap.methods.laplace.fitting import data_units
+from bayeswrap.methods.laplace.memory import plan_chunk
 from bayeswrap.methods.laplace.structures import MAX_FULL_PARAMS, Delta, FullPosterior, _Structure, delta_of
 
 SUBNETWORK_SCORES = ("largest_variance", "largest_magnitude")
@@ -96,6 +97,7 @@ class SubnetPosterior(FullPosterior):
         self.num_params = int(n_params_subnet)
         self.score = score
         self.scores: dict[str, torch.Tensor] | None = None  # given scores (use_subnetwork_scores)
+        self.chosen = False  # whether :attr:`indices` hold this fit's choice (set by prepare)
         self.register_buffer("H", torch.zeros(self.num_params, self.num_params, dtype=dtype, device=device))
         self.register_buffer("indices", torch.zeros(self.num_params, dtype=torch.long, device=device))
 
@@ -111,6 +113,11 @@ class SubnetPosterior(FullPosterior):
             delta = bnn._delta()
             flat = torch.cat([1.0 / (h[n].reshape(-1) + delta_of(delta, n)) for n in self.shapes])
         self.indices.copy_(top_indices(flat, self.num_params))
+        self.chosen = True
+
+    def reset(self):
+        super().reset()
+        self.chosen = False
 
     def mask(self) -> dict[str, torch.Tensor]:
         """``{name: bool tensor of the parameter's shape}``, True at the chosen entries."""
@@ -133,6 +140,14 @@ class SubnetPosterior(FullPosterior):
         only (chunk · K · Σ their sizes, not chunk · K · P).
         """
         return [n for n, m in self.mask().items() if bool(m.any())]
+
+    def touched(self) -> tuple[str, ...] | None:
+        """:meth:`jacobian_names` once the entries are chosen (by :meth:`prepare`, or a fitted or loaded posterior),
+        else None (the memory estimates then bound the Jacobians over all P).
+        """
+        if not (self.chosen or bool(self.fitted)):
+            return None
+        return tuple(self.jacobian_names())
 
     def _local_indices(self) -> torch.Tensor:
         """The chosen entries' positions in the concatenation of the :meth:`jacobian_names` tensors, (n,)."""
@@ -173,24 +188,35 @@ def diagonal_curvature(bnn, train_loader, theta, generator=None) -> dict[str, to
     device = next(iter(theta.values())).device
     curv = {n: torch.zeros_like(t) for n, t in theta.items()}
     units = 0
-    for index, batch in enumerate(train_loader):
-        x, y = loader_pair(batch, f"fit_curvature's loader batch {index}", bnn.label_key, device,
-                           bnn.likelihood.name == "categorical")
-        with torch.enable_grad():
-            if bnn.curvature == "ggn":
-                torch._foreach_add_(list(curv.values()), list(bnn.ggn_diagonal(x, theta, y).values()))
-            elif bnn.curvature == "fisher":
-                out = bnn.forward_with(theta, x)
-                sampled = [bnn.likelihood.sample_targets(out, generator=generator)
-                           for _ in range(bnn.curvature_samples)]
-                bnn._add_squared_grads(curv, x, sampled, theta, 1.0 / bnn.curvature_samples)
-            else:
-                bnn._add_squared_grads(curv, x, y, theta, 1.0)
-        units += data_units(bnn.likelihood, x, y)
+    chunk_given, plan = bnn.curvature_chunk_size, {}
+    try:
+        for index, batch in enumerate(train_loader):
+            x, y = loader_pair(batch, f"fit_curvature's loader batch {index}", bnn.label_key, device,
+                               bnn.likelihood.name == "categorical")
+            # memory_budget: the chunk sized (or the pass refused) before the batch's work
+            bnn.curvature_chunk_size = plan_chunk(bnn, x, "score", plan)
+            _add_diagonal(bnn, curv, x, y, theta, generator)
+            units += data_units(bnn.likelihood, x, y)
+    finally:
+        bnn.curvature_chunk_size = chunk_given
     if units == 0:
         raise ValueError("fit_curvature got an empty loader; it needs at least one (inputs, targets) batch")
     scale = bnn.num_data / units
     return {n: c * scale for n, c in curv.items()}
+
+
+def _add_diagonal(bnn, curv, x, y, theta, generator) -> None:
+    """Adds one batch's (unscaled) diagonal of the ``curvature`` option to ``curv``."""
+    with torch.enable_grad():
+        if bnn.curvature == "ggn":
+            torch._foreach_add_(list(curv.values()), list(bnn.ggn_diagonal(x, theta, y).values()))
+        elif bnn.curvature == "fisher":
+            out = bnn.forward_with(theta, x)
+            sampled = [bnn.likelihood.sample_targets(out, generator=generator)
+                       for _ in range(bnn.curvature_samples)]
+            bnn._add_squared_grads(curv, x, sampled, theta, 1.0 / bnn.curvature_samples)
+        else:
+            bnn._add_squared_grads(curv, x, y, theta, 1.0)
 
 
 def swag_variances(swag_bnn) -> dict[str, torch.Tensor]:
