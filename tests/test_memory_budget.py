@@ -285,3 +285,131 @@ def test_a_registered_structure_estimate_is_listed_among_the_alternatives():
     finally:
         del lm.STRUCTURE_ESTIMATES["toy"]
         del bw.methods.laplace.laplace.Laplace.toy_rank
+
+
+# ---------------------------------------------------------------------- low-rank and subnetwork Laplace
+LOWRANK_AND_SUBNETWORK = {
+    "lowrank": dict(hessian_structure="lowrank", low_rank=10, low_rank_power_iterations=0),
+    "lowrank+diagonal": dict(hessian_structure="lowrank", low_rank=10, low_rank_power_iterations=0,
+                             low_rank_diagonal=True),
+    "subnetwork/largest_variance": dict(hessian_structure="full", subset_of_weights="subnetwork",
+                                        n_params_subnet=300),
+    "subnetwork/largest_magnitude": dict(hessian_structure="full", subset_of_weights="subnetwork",
+                                         n_params_subnet=300, subnetwork_score="largest_magnitude"),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("config", list(LOWRANK_AND_SUBNETWORK))
+def test_lowrank_and_subnetwork_estimates_within_25_percent(arch, config):
+    """The fit (less what construction allocated), the probit GLM predictive and 50 draws at once, each against
+    the measured peak: l = k + 10 columns of curvature products (jvp, vmapped pullbacks) for "lowrank"; chunks of
+    per-example Jacobians over the tensors holding a chosen entry for "subnetwork" (all of P_J, not P)."""
+    make, data = ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    x, y = data(BATCH), torch.randint(0, 10, (BATCH,))
+    kwargs = {"subset_of_weights": "all", **LOWRANK_AND_SUBNETWORK[config]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        bnn = bw.wrap(make(), "laplace", num_data=1000, **kwargs)
+        with PeakTracker() as fit:
+            bnn.fit_curvature([(x, y)])
+    key = lm.structure_key(bnn)
+    assert key == config.split("/")[0].split("+")[0]
+    est = lm.STRUCTURE_ESTIMATES[key]
+    fp = lm.cached_probe(bnn, x)  # the fit's own probe (after the subnetwork's entries were chosen)
+    p, s = fp.num_params, fp.itemsize
+    if key == "lowrank":  # constructed: U (P × k), λ, D; the curvature and the variances
+        before = (10 + 1) * p * s + 10 * s + 2 * p * s
+    else:  # constructed: H (n × n), the int64 indices; the curvature and the variances
+        before = 300 * 300 * s + 300 * 8 + 2 * p * s
+        touched = sum(bnn.theta[n].numel() for n in bnn._structure.jacobian_names())
+        assert fp.options["subnetwork_jacobian_params"] == touched < p or arch == "mlp"
+    expected_fit = lm.total(est.fit(fp, BATCH, bnn.curvature_chunk_size)) - before
+    with PeakTracker() as glm:
+        bnn.predict(x, 1)
+    expected_glm = lm.total(est.glm(fp, BATCH, bnn.curvature_chunk_size))
+    with PeakTracker() as draws:
+        bnn.sample(50)
+    expected_draws = lm.total(est.draws(lm.static_footprint(bnn), 50))
+    ratios = expected_fit / fit.peak, expected_glm / glm.peak, expected_draws / draws.peak
+    print(f"{arch} {config}: fit {ratios[0]:.2f}, GLM {ratios[1]:.2f}, draws {ratios[2]:.2f}")
+    for ratio in ratios:
+        assert abs(ratio - 1) <= 0.25
+
+
+def test_subnetwork_estimate_covers_the_touched_tensors_only_once_chosen():
+    """Before the entries are chosen the Jacobians are bounded over all P; largest_magnitude knows them from θ*."""
+    make, _ = ARCHITECTURES["attention"]
+    torch.manual_seed(0)
+    model = make()
+    kwargs = dict(num_data=100, hessian_structure="full", subset_of_weights="subnetwork", n_params_subnet=300)
+    variance = bw.wrap(model, "laplace", **kwargs)
+    magnitude = bw.wrap(model, "laplace", **kwargs, subnetwork_score="largest_magnitude")
+    assert lm.static_footprint(variance).options["subnetwork_jacobian_params"] is None  # unknown: P
+    flat = torch.cat([t.detach().reshape(-1).abs() for t in magnitude.theta.values()])
+    top = set(torch.argsort(flat, descending=True)[:300].tolist())
+    sizes, start, touched = [t.numel() for t in magnitude.theta.values()], 0, 0
+    for size in sizes:  # the naive count: tensors holding one of the 300 largest |θ*|
+        touched += size if any(start <= i < start + size for i in top) else 0
+        start += size
+    assert lm.static_footprint(magnitude).options["subnetwork_jacobian_params"] == touched < sum(sizes)
+
+
+def test_lowrank_and_subnetwork_100x_over_budget_are_refused_before_allocation():
+    """At 1/100 of the smallest chunk's estimate, refused after the probe (a forward of a few examples): k = 10
+    low-rank products over a batch of 1024 through the CNN (whose activations nothing else fits either); k = 300
+    (the range finder's 4 × P × 310) on a 23.7k-parameter MLP, and a subnetwork's per-example Jacobians (one
+    example, K = 500 outputs, over the tensors holding its 50 largest |θ*|: the head's 32.5k entries of 49k),
+    where the diagonal fits and is named."""
+    torch.manual_seed(0)
+    make, data = ARCHITECTURES["cnn"]
+    wide = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 500))  # the largest |θ*|: in the head
+    configs = [(make(), data(1024), torch.randint(0, 10, (1024,)),
+                dict(hessian_structure="lowrank", low_rank=10, subset_of_weights="all")),
+               (nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 300)), torch.randn(64, 64),
+                torch.randint(0, 300, (64,)), dict(hessian_structure="lowrank", low_rank=300)),
+               (wide, torch.randn(64, 256), torch.randint(0, 500, (64,)),
+                dict(hessian_structure="full", subset_of_weights="subnetwork", n_params_subnet=50,
+                     subnetwork_score="largest_magnitude"))]
+    bw.wrap(make(), "laplace", num_data=100)  # warm-up (imports)
+    for model, x, y, kwargs in configs:
+        bnn = bw.wrap(model, "laplace", num_data=1000, **kwargs)
+        est = lm.STRUCTURE_ESTIMATES[lm.structure_key(bnn)]
+        bnn.memory_budget = 10**5  # a small budget: the probe measures no products, the forward's sizes stand in
+        fp = lm.probe(bnn, x)
+        assert not fp.measured
+        need = lm.total(est.fit(fp, len(x), 1))  # the smallest chunk
+        bnn.memory_budget = need // 100
+        start = time.perf_counter()
+        with pytest.raises(MemoryBudgetError) as err:
+            bnn.fit_curvature([(x, y)])
+        assert time.perf_counter() - start < 1.0
+        bnn.__dict__.pop("_memory_footprint", None)  # probe again, counting what the refusal allocates
+        with PeakTracker() as tracker, pytest.raises(MemoryBudgetError):
+            bnn.fit_curvature([(x, y)])
+        assert tracker.peak < need // 10
+        message = str(err.value)
+        assert abs(err.value.estimate / need - 1) < 0.01 and format_bytes(need // 100) in message  # eval-mode probe
+        assert "curvature_chunk_size=1" in message and f"batches of {len(x)}" in message
+        if len(x) == 1024:
+            assert "no alternative fits" in message and "use smaller batches" in message
+        else:
+            assert "these fit: hessian_structure='diag'" in message
+        assert not bool(bnn.curvature_fitted)
+
+
+def test_lowrank_and_subnetwork_storage_100x_over_budget_name_the_structures_that_fit():
+    """At construction: U (P × k) of low_rank=2000, or the dense 5000² of n_params_subnet=5000 with its float64
+    eigendecomposition, against 1/100 of it; the diagonal and Kron posteriors fit and are named."""
+    model = nn.Sequential(nn.Linear(100, 110), nn.ReLU(), nn.Linear(110, 7))
+    p = sum(t.numel() for t in model.parameters())
+    for kwargs, need in [(dict(hessian_structure="lowrank", low_rank=2000), (2000 + 1) * p * 4 + 3 * p * 4),
+                         (dict(hessian_structure="full", subset_of_weights="subnetwork", n_params_subnet=5000),
+                          5000**2 * (4 + 8 + 8) + 3 * p * 4)]:
+        start = time.perf_counter()
+        with PeakTracker() as tracker, pytest.raises(MemoryBudgetError) as err:
+            bw.wrap(model, "laplace", num_data=100, memory_budget=need // 100, **kwargs)
+        assert time.perf_counter() - start < 1.0 and tracker.peak < need // 100
+        assert err.value.estimate == need
+        assert "hessian_structure='diag'" in str(err.value) and "hessian_structure='kron'" in str(err.value)

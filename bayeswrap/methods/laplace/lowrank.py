@@ -148,18 +148,24 @@ class LowRankPosterior(_Structure):
         self._basis = self._product = None
 
     def prepare(self, bnn, train_loader, generator) -> None:
-        """Draws Ω (P, l) (from ``generator``) as the first basis; :meth:`accumulate` adds H Ω over the data."""
+        """Keeps ``generator``: the first :meth:`accumulate` draws Ω (P, l) from it as the first basis (after the
+        first batch's memory check, so a refused fit allocates no P × l) and adds H Ω over the data.
+        """
         if bnn.curvature == "fisher":
             raise ValueError("hessian_structure='lowrank' with curvature='fisher': the sampled labels would differ "
                              "between the passes over the data of the subspace iteration; accepted: "
                              "curvature='ggn' or 'empirical_fisher'")
-        omega = torch.randn(self.num_params, self.columns, generator=generator, dtype=self.U.dtype,
-                            device=self.U.device)
-        self._basis = torch.linalg.qr(omega).Q
-        self._product = torch.zeros_like(self._basis)
+        self._basis = self._product = None
+        self._generator = generator
 
     def accumulate(self, bnn, x, y, theta, sampled=None) -> None:
-        """Adds one batch's H_batch Q (unscaled) to the running product."""
+        """Adds one batch's H_batch Q (unscaled) to the running product (the first draws Ω, see :meth:`prepare`)."""
+        if self._basis is None:
+            omega = torch.randn(self.num_params, self.columns, generator=self._generator, dtype=self.U.dtype,
+                                device=self.U.device)
+            self._basis = torch.linalg.qr(omega).Q
+            self._product = torch.zeros_like(self._basis)
+            self._generator = None
         self._product += curvature_product(bnn, x, y, theta, self._basis, self._split)
 
     def complete(self, bnn, train_loader, scale: float, diag: Mapping[str, torch.Tensor] | None
