@@ -289,8 +289,8 @@ def test_a_registered_structure_estimate_is_listed_among_the_alternatives():
 
 # ---------------------------------------------------------------------- low-rank and subnetwork Laplace
 LOWRANK_AND_SUBNETWORK = {
-    "lowrank": dict(hessian_structure="lowrank", low_rank=10, low_rank_power_iterations=0),
-    "lowrank+diagonal": dict(hessian_structure="lowrank", low_rank=10, low_rank_power_iterations=0,
+    "lowrank": dict(hessian_structure="lowrank", low_rank=5, low_rank_power_iterations=0),
+    "lowrank+diagonal": dict(hessian_structure="lowrank", low_rank=5, low_rank_power_iterations=0,
                              low_rank_diagonal=True),
     "subnetwork/largest_variance": dict(hessian_structure="full", subset_of_weights="subnetwork",
                                         n_params_subnet=300),
@@ -320,7 +320,7 @@ def test_lowrank_and_subnetwork_estimates_within_25_percent(arch, config):
     fp = lm.cached_probe(bnn, x)  # the fit's own probe (after the subnetwork's entries were chosen)
     p, s = fp.num_params, fp.itemsize
     if key == "lowrank":  # constructed: U (P × k), λ, D; the curvature and the variances
-        before = (10 + 1) * p * s + 10 * s + 2 * p * s
+        before = (5 + 1) * p * s + 5 * s + 2 * p * s
     else:  # constructed: H (n × n), the int64 indices; the curvature and the variances
         before = 300 * 300 * s + 300 * 8 + 2 * p * s
         touched = sum(bnn.theta[n].numel() for n in bnn._structure.jacobian_names())

@@ -160,13 +160,17 @@ class LowRankPosterior(_Structure):
 
     def accumulate(self, bnn, x, y, theta, sampled=None) -> None:
         """Adds one batch's H_batch Q (unscaled) to the running product (the first draws Ω, see :meth:`prepare`)."""
+        self._start()
+        self._product += curvature_product(bnn, x, y, theta, self._basis, self._split)
+
+    def _start(self) -> None:
+        """Draws Ω (P, l) and its orthonormal basis, and a zero running product, unless drawn already."""
         if self._basis is None:
-            omega = torch.randn(self.num_params, self.columns, generator=self._generator, dtype=self.U.dtype,
-                                device=self.U.device)
+            omega = torch.randn(self.num_params, self.columns, generator=getattr(self, "_generator", None),
+                                dtype=self.U.dtype, device=self.U.device)
             self._basis = torch.linalg.qr(omega).Q
             self._product = torch.zeros_like(self._basis)
             self._generator = None
-        self._product += curvature_product(bnn, x, y, theta, self._basis, self._split)
 
     def complete(self, bnn, train_loader, scale: float, diag: Mapping[str, torch.Tensor] | None
                  ) -> dict[str, torch.Tensor]:
@@ -179,6 +183,7 @@ class LowRankPosterior(_Structure):
             diag: the exact (N/n)-scaled diagonal of H (with ``diagonal``), else None.
         """
         theta = {n: t.detach() for n, t in bnn.theta.items()}
+        self._start()  # a data-parallel rank whose shard was empty draws Ω too (a zero product)
         all_reduce_sum_([self._product])  # data-parallel fits: every rank summed its own shard
         y_mat = self._product * scale
         for _ in range(self.power_iterations + 1):

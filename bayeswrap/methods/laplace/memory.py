@@ -18,10 +18,18 @@ phases that run one after the other, the larger):
 * the dense matrix of ``"full"``: P² × s stored, and its eigendecomposition in float64 (a float64 copy and the
   eigenvectors: 2 × 8 P² more; :func:`~bayeswrap.methods.laplace.structures.psd_eigh`);
 * the diagonal: P × s for the curvature, its accumulator and the variances;
+* low rank (``"lowrank"``, :class:`LowRankEstimate`): U (P × k) stored, the range finder's 4 × P × l (l = k + 10),
+  and per chunk of c ≤ l columns the vmapped forward-mode products and pullbacks of the curvature products, whose
+  bytes per column and example the probe measures (:meth:`StructureEstimate.measure`: on 2 and 4 examples with 2
+  and 4 columns);
+* subnetwork (``subset_of_weights="subnetwork"``, :class:`SubnetEstimate`): n² × s stored, its eigendecomposition,
+  and the per-example Jacobians over the P_J entries of the tensors holding a chosen entry (P, an upper bound,
+  until the entries are chosen), measured by the probe on 2 and 4 examples;
 * the GLM predictive's Jacobians: c × K × P × s per chunk (full), K unit vectors × B × the layers' outputs (Kron,
   diagonal);
 * draws of ``pred_type="nn"``, of the GLM's Monte Carlo link and of :meth:`~bayeswrap.BayesianModel.sample`:
-  3–4 × S_c × P × s per chunk of S_c draws (ε, its rotation and scaling, θ* + δ). The forward passes of those draws
+  3–4 × S_c × P × s per chunk of S_c draws (ε, its rotation and scaling, θ* + δ; low rank: 3 × S_c × P × s and the
+  thin SVD of its P × k factor; subnetwork: 2 × S_c × P × s, the deltas scattered into the parameters). The forward passes of those draws
   are not estimated (``chunk_size`` bounds them); the (S, N, K) probabilities of
   :func:`~bayeswrap.predictive.sample_probs_loader` are checked there.
 
@@ -31,8 +39,8 @@ the attention model, fit / GLM), the Monte Carlo GLM link (forward-mode tangents
 A structure registers its estimates in :data:`STRUCTURE_ESTIMATES` (a name → :class:`StructureEstimate`), so that a
 new one (``"lowrank"``) plugs in with :func:`register_structure_estimate` and is listed among the alternatives of a
 refusal. The tests (``tests/test_memory_budget.py``) hold each estimate (the fit and the probit GLM predictive, every
-structure, all weights and the last layer) within 25 % of the measured peak of tensor storage on an MLP, a CNN and
-an attention model.
+structure, all weights and the last layer; low rank with and without its diagonal and the subnetwork by both scores,
+with their draws) within 25 % of the measured peak of tensor storage on an MLP, a CNN and an attention model.
 """
 
 from __future__ import annotations
@@ -596,11 +604,13 @@ def probe(bnn, x, structure_layers=()) -> Footprint:
 
     Runs ``bnn.forward_with(θ*, x[:1])`` with autograd on, under a :class:`~bayeswrap.core.memory.PeakTracker`
     (what one example's graph keeps) and with hooks on the modules owning Bayesian parameters (their input and
-    output sizes). Allocates one example's activations only.
+    output sizes). Allocates one (and two) examples' activations only; then the model's own structure measures its
+    batched work on up to four examples (:meth:`StructureEstimate.measure`: low rank's vmapped products, the
+    subnetwork's Jacobians), unless that would take over a quarter of the budget.
 
     Args:
         bnn: a :class:`~bayeswrap.Laplace`.
-        x: a batch of inputs (only its first example is evaluated).
+        x: a batch of inputs (its first examples are evaluated).
         structure_layers: ``{layer: (weight, bias)}`` of the Kron layers (their factor sizes).
     """
     theta = {n: t.detach().requires_grad_(not bnn.last_layer_name) for n, t in bnn.theta.items()}
@@ -829,7 +839,8 @@ def check_draws(bnn, count: int) -> None:
 
 def cached_probe(bnn, x) -> Footprint:
     """:func:`probe`, kept on the model for inputs of the same per-example shapes and dtypes (and the same
-    structure, subset, curvature and backend), so that predicting batch after batch probes once.
+    structure, subset, curvature, backend and structure options, e.g. the tensors a subnetwork's Jacobians cover),
+    so that predicting batch after batch probes once.
     """
     key = (tuple((name, tuple(t.shape[1:]), t.dtype, t.device) for name, t in tensor_leaves(x)),
            structure_key(bnn), bnn.last_layer_name, bnn.curvature, bnn.curvature_samples, bnn.curvature_backend,
