@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from bayeswrap.core import fused
 from bayeswrap.core.checks import check_bool, check_float, check_int
 
 
@@ -86,9 +87,7 @@ class SGLD(torch.optim.Optimizer):
             torch._foreach_add_(params, [p.grad for p in params], alpha=-group["lr"])
             scale = group["noise_scale"] * math.sqrt(2.0 * group["lr"] / group["num_data"])
             if scale > 0:
-                noise = [torch.randn(p.shape, generator=self.generator, device=p.device, dtype=p.dtype)
-                         for p in params]
-                torch._foreach_add_(params, noise, alpha=scale)
+                torch._foreach_add_(params, _noise_like(params, self.generator), alpha=scale)
         return loss
 
 
@@ -239,6 +238,23 @@ class IVON(torch.optim.Optimizer):
                     direction.clamp_(-radius, radius)
                 p.sub_(direction, alpha=lr * (terms.hess_init + delta) if self.rescale_lr else lr)
         return loss
+
+
+def _noise_like(params: list[torch.Tensor], generator: torch.Generator | None) -> list[torch.Tensor]:
+    """ε ~ N(0, I) shaped like each parameter: one flat buffer per device and dtype from
+    :func:`bayeswrap.core.fused.random_buckets` (on the CPU, a large model's draws come from parallel streams,
+    one per ``torch.get_num_threads()`` thread), split into views.
+    """
+    out: list[torch.Tensor | None] = [None] * len(params)
+    kinds: dict = {}
+    for i, p in enumerate(params):
+        kinds.setdefault((p.device, p.dtype), []).append(i)
+    for idx in kinds.values():
+        group = [params[i] for i in idx]
+        flat = fused.random_buckets(group, [list(range(len(group)))], "normal", generator)[0]
+        for i, chunk in zip(idx, flat.split([p.numel() for p in group])):
+            out[i] = chunk.view(params[i].shape)
+    return out
 
 
 def _check_sgld_hyper(lr, num_data, noise_scale, where: str = "") -> dict:

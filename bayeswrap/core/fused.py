@@ -362,12 +362,7 @@ class _DropoutBucket(torch.autograd.Function):
         probs, means, scales = info
         keep = [v >= p for v, p in zip(_views(u, m), probs)]
         theta = [torch.where(z, mi, mean) for z, mi, mean in zip(keep, m, means)]
-        pen = [(mi, mean, c) for mi, mean, c in zip(m, means, scales) if c]
-        penalty = m[0].new_zeros(())
-        if pen:
-            diff = torch._foreach_sub([t[0] for t in pen], [t[1] for t in pen])
-            norms = torch.stack(torch._foreach_norm(diff))
-            penalty = (norms.square() * norms.new_tensor([t[2] for t in pen])).sum()
+        penalty = _scaled_sum_squares(m, means, scales)
         ctx.info = info
         ctx.save_for_backward(*m, *keep)
         return (*theta, penalty)
@@ -388,41 +383,193 @@ class _DropoutBucket(torch.autograd.Function):
         return (None, None, *out)
 
 
+#: :func:`dropout_sample` draws the positions of the dropped elements (geometric gaps) instead of one uniform per
+#: element for drop probabilities up to this value: ~p draws per element instead of 1, and θ a copy of m with the
+#: dropped elements overwritten instead of a masked select
+SPARSE_DROP_MAX_P = 0.25
+
+
+def _sparse_drops(tensors: Sequence[torch.Tensor], probs: Sequence[float]) -> bool:
+    """Whether :func:`drop_positions` draws the drops of ``tensors``: on the CPU, outside ``torch.func`` transforms,
+    for at least :data:`RNG_PARALLEL_MIN` elements in all (smaller models keep the one-uniform-per-element stream
+    of earlier versions) and every p ≤ :data:`SPARSE_DROP_MAX_P`.
+    """
+    return (bool(tensors) and tensors[0].device.type == "cpu" and available()
+            and all(0.0 < p <= SPARSE_DROP_MAX_P for p in probs)
+            and sum(t.numel() for t in tensors) >= RNG_PARALLEL_MIN)
+
+
+def _bernoulli_positions(length: int, p: float, generator: torch.Generator | None,
+                         device: torch.device) -> torch.Tensor:
+    """Sorted positions in [0, ``length``) of the successes of ``length`` i.i.d. Bernoulli(p) trials (int64).
+
+    The gaps between successes are i.i.d. Geometric(p) on {1, 2, ...}, drawn by inversion from float64
+    uniforms (G = 1 + ⌊log(1 − u) / log(1 − p)⌋, u ~ U[0, 1): P(G = k) = (1 − p)^(k−1) p), so the positions are
+    their cumulative sums minus one; about ``length · p`` draws instead of ``length``.
+    """
+    mean = length * p
+    chunk = int(mean + 6.0 * math.sqrt(mean * (1.0 - p))) + 16
+    log_q = math.log1p(-p)
+    parts: list[torch.Tensor] = []
+    end = -1  # the last position drawn so far
+    while end < length - 1:
+        u = torch.empty(chunk, dtype=torch.float64, device=device).uniform_(generator=generator)
+        gaps = torch.rsub(u, 1.0).log_().div_(log_q).floor_().add_(1.0).to(torch.int64)
+        pos = gaps.cumsum_(0).add_(end)
+        parts.append(pos)
+        end = int(pos[-1])
+        chunk = max(16, chunk // 8)
+    pos = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return pos[:int(torch.searchsorted(pos, length))]
+
+
+def drop_positions(tensors: Sequence[torch.Tensor], probs: Sequence[float],
+                   generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """The flat indices of the dropped elements of each tensor: i.i.d. Bernoulli(p_i) per element.
+
+    The tensors of one drop probability are laid end to end and the positions of the drops in that sequence
+    are drawn by :func:`_bernoulli_positions` (geometric gaps), then cut per tensor.
+
+    Args:
+        tensors: reference tensors (same device).
+        probs: drop probabilities p_i in (0, 1), one per tensor.
+        generator: optional ``torch.Generator`` (the global RNG by default).
+
+    Returns:
+        One sorted 1-D int64 tensor per tensor, of indices into ``tensor.reshape(-1)``.
+    """
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for p in dict.fromkeys(probs):
+        idx = [i for i, q in enumerate(probs) if q == p]
+        starts = [0]
+        for i in idx:
+            starts.append(starts[-1] + tensors[i].numel())
+        pos = _bernoulli_positions(starts[-1], float(p), generator, tensors[idx[0]].device)
+        cuts = torch.searchsorted(pos, torch.tensor(starts, dtype=torch.int64, device=pos.device)).tolist()
+        for j, i in enumerate(idx):
+            out[i] = pos[cuts[j]:cuts[j + 1]] - starts[j]
+    return out
+
+
+def dropout_keep_masks(tensors: Sequence[torch.Tensor], probs: Sequence[float],
+                       generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Keep masks z_i = [element kept], exactly the draws :func:`dropout_sample` makes under the same RNG state.
+
+    Args:
+        tensors: reference tensors (same dtype and device).
+        probs: drop probabilities p_i in (0, 1), one per tensor.
+        generator: optional ``torch.Generator``.
+
+    Returns:
+        One bool tensor per tensor, of its shape: True where the element is kept (probability 1 − p_i).
+    """
+    if _sparse_drops(tensors, probs):
+        masks = []
+        for t, pos in zip(tensors, drop_positions(tensors, probs, generator)):
+            keep = torch.ones(t.shape, dtype=torch.bool, device=t.device)
+            keep.view(-1).index_fill_(0, pos, False)
+            masks.append(keep)
+        return masks
+    return [u >= p for u, p in zip(uniform_like(tensors, generator), probs)]
+
+
+class _SparseDropoutBucket(torch.autograd.Function):
+    """:class:`_DropoutBucket` from the positions of the dropped elements (:func:`drop_positions`).
+
+    θ_i is a copy of m_i with the dropped elements set to θ̄_i; the backward writes
+    z_i ⊙ g_i + 2 k c_i (m_i − θ̄_i) as (2 k c_i (m_i − θ̄_i)) + g_i with the dropped elements kept at their first
+    term, the same floating-point operations as the reference's sum of the two gradients. Saved for backward: m
+    and the positions (8 bytes per dropped element).
+    """
+
+    @staticmethod
+    def forward(ctx, info, *m):
+        positions, means, scales = info
+        theta = []
+        for mi, pos, mean in zip(m, positions, means):
+            t = mi.clone(memory_format=torch.contiguous_format)
+            t.view(-1).index_copy_(0, pos, mean.reshape(-1).index_select(0, pos))
+            theta.append(t)
+        penalty = _scaled_sum_squares(m, means, scales)
+        ctx.info = info
+        ctx.save_for_backward(*m)
+        return (*theta, penalty)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        positions, means, scales = ctx.info
+        n = len(positions)
+        k = 0.0 if grads[n] is None else float(grads[n])
+        out = []
+        for g, mi, pos, mean, c in zip(grads[:n], ctx.saved_tensors, positions, means, scales):
+            if k and c:
+                gm = (mi - mean).mul_(2.0 * c * k)
+                if g is not None:
+                    dropped = gm.view(-1).index_select(0, pos)
+                    gm.add_(g)
+                    gm.view(-1).index_copy_(0, pos, dropped)
+            else:
+                gm = torch.zeros_like(mi) if g is None else g.clone(memory_format=torch.contiguous_format)
+                gm.view(-1).index_fill_(0, pos, 0.0)
+            out.append(gm)
+        return (None, *out)
+
+
+def _scaled_sum_squares(m, means, scales) -> torch.Tensor:
+    """Σ_i c_i ‖m_i − θ̄_i‖² over the terms with c_i ≠ 0 (a zero scalar without any)."""
+    pen = [(mi, mean, c) for mi, mean, c in zip(m, means, scales) if c]
+    if not pen:
+        return m[0].new_zeros(())
+    diff = torch._foreach_sub([t[0] for t in pen], [t[1] for t in pen])
+    norms = torch.stack(torch._foreach_norm(diff))
+    return (norms.square() * norms.new_tensor([t[2] for t in pen])).sum()
+
+
 def dropout_sample(m: list[torch.Tensor], probs: list[float], means: list[torch.Tensor], scales: list[float],
                    generator: torch.Generator | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A parameter-dropout sample towards θ̄ and its Gaussian penalty, bucket by bucket.
 
-    θ_i = z_i ⊙ m_i + (1 − z_i) ⊙ θ̄_i with z_i = [u_i ≥ p_i], u ~ U[0, 1) from
-    :func:`random_buckets` (so z_i ~ Bernoulli(1 − p_i)), and the penalty
+    θ_i = z_i ⊙ m_i + (1 − z_i) ⊙ θ̄_i with z_i ~ Bernoulli(1 − p_i) elementwise, and the penalty
     Σ_i c_i ‖m_i − θ̄_i‖² (BayesDLL eq. 10 with c_i = (1 − p_i)/(2σ²)). Gradients
     w.r.t. m are written in closed form; temporaries are bucket-sized.
+
+    The drops come from :func:`drop_positions` (geometric gaps between the dropped elements, about p draws
+    per element) on the CPU for large models with every p ≤ :data:`SPARSE_DROP_MAX_P`, else from
+    z_i = [u_i ≥ p_i] with u ~ U[0, 1) from :func:`random_buckets`; :func:`dropout_keep_masks` gives the same
+    masks under the same RNG state.
 
     Args:
         m: the kept values, one tensor per parameter, each with p_i > 0.
         probs: drop probabilities p_i in (0, 1).
         means: prior means θ̄_i (the dropped value), same shapes as ``m``.
         scales: penalty factors c_i ≥ 0 (0: no penalty term).
-        generator: optional ``torch.Generator`` for u.
+        generator: optional ``torch.Generator`` for the draws.
 
     Returns:
         ``(theta, penalty)``: the sampled tensors and the scalar penalty in nats.
     """
     groups = buckets(m)
-    noise = random_buckets(m, groups, "uniform", generator)
+    sparse = _sparse_drops(m, probs)
+    noise = drop_positions(m, probs, generator) if sparse else random_buckets(m, groups, "uniform", generator)
     theta: list[torch.Tensor] = []
     total = None
     for b, idx in enumerate(groups):
-        info = ([probs[i] for i in idx], [means[i] for i in idx], [scales[i] for i in idx])
-        u, noise[b] = noise[b], None
-        out = _DropoutBucket.apply(info, u, *[m[i] for i in idx])
-        del u
+        if sparse:
+            info = ([noise[i] for i in idx], [means[i] for i in idx], [scales[i] for i in idx])
+            out = _SparseDropoutBucket.apply(info, *[m[i] for i in idx])
+        else:
+            info = ([probs[i] for i in idx], [means[i] for i in idx], [scales[i] for i in idx])
+            u, noise[b] = noise[b], None
+            out = _DropoutBucket.apply(info, u, *[m[i] for i in idx])
+            del u
         theta.extend(out[:-1])
         total = out[-1] if total is None else total + out[-1]
     return theta, total
 
 
 def uniform_like(tensors: Sequence[torch.Tensor], generator: torch.Generator | None = None) -> list[torch.Tensor]:
-    """U ~ U[0, 1) shaped like each tensor, exactly the draws :func:`dropout_sample` makes under the same RNG state.
+    """U ~ U[0, 1) shaped like each tensor, drawn by :func:`random_buckets` (the draws of :func:`dropout_sample`'s
+    dense path under the same RNG state; :func:`dropout_keep_masks` gives its masks on either path).
 
     Args:
         tensors: reference tensors (same dtype and device).

@@ -56,7 +56,7 @@ from bayeswrap.core.adapters import adapter_parameter_names
 from bayeswrap.core.batches import x_device
 from bayeswrap.core.checks import check_bool
 from bayeswrap.core.functional import NamedTensors, is_bias
-from bayeswrap.core.fused import dropout_sample, uniform_like
+from bayeswrap.core.fused import dropout_keep_masks, dropout_sample
 from bayeswrap.methods.base import BayesianModel, check_float, check_int, register_method
 from bayeswrap.methods.predictives import Predictive, Sampled
 
@@ -209,16 +209,18 @@ class MCDropout(BayesianModel):
     def _masked(self, shape_prefix=(), generator=None):
         out = {}
         dropped = [n for n in self.theta.keys() if self.drop_prob[n] > 0.0]
-        # a training sample draws its u exactly as the fused kernel does (bayeswrap.core.fused.uniform_like)
-        u = dict(zip(dropped, uniform_like([self.theta[n] for n in dropped], generator))) \
+        # a training sample draws its masks exactly as the fused kernel does (bayeswrap.core.fused.dropout_keep_masks)
+        keep = dict(zip(dropped, dropout_keep_masks([self.theta[n] for n in dropped],
+                                                    [self.drop_prob[n] for n in dropped], generator))) \
             if not shape_prefix and dropped else {}
         for n, m in self.theta.items():
             p = self.drop_prob[n]
             if p == 0.0:
                 out[n] = m.expand(*shape_prefix, *m.shape) if shape_prefix else m
                 continue
-            draws = u[n] if n in u else torch.rand((*shape_prefix, *m.shape), device=m.device, generator=generator)
-            out[n] = torch.where(draws >= p, m, self.prior.mean[n])
+            mask = keep[n] if n in keep else \
+                torch.rand((*shape_prefix, *m.shape), device=m.device, generator=generator) >= p
+            out[n] = torch.where(mask, m, self.prior.mean[n])
         return out
 
     def _train_sample(self):
