@@ -83,7 +83,8 @@ def _thread_pool(workers: int):
 
 
 def random_buckets(tensors: Sequence[torch.Tensor], groups: list[list[int]], kind: str = "normal",
-                   generator: torch.Generator | None = None) -> list[torch.Tensor]:
+                   generator: torch.Generator | None = None, *,
+                   out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """One flat buffer of i.i.d. N(0, 1) (``kind="normal"``) or U[0, 1) (``"uniform"``) draws per bucket.
 
     On a GPU, and for fewer than :data:`RNG_PARALLEL_MIN` elements in all, the
@@ -103,22 +104,36 @@ def random_buckets(tensors: Sequence[torch.Tensor], groups: list[list[int]], kin
         groups: buckets of indices into ``tensors`` (:func:`buckets`).
         kind: ``"normal"`` or ``"uniform"``.
         generator: optional ``torch.Generator``; the global RNG by default.
+        out: optional buffers to fill instead of new ones: one contiguous 1-D tensor per bucket, of the
+            bucket's size, dtype and device (e.g. a buffer kept across steps: a large tensor allocated afresh
+            costs its page faults on every step). The same draws either way.
 
     Returns:
-        A list with one 1-D tensor per bucket, holding as many elements as the bucket's tensors.
+        A list with one 1-D tensor per bucket, holding as many elements as the bucket's tensors (``out``'s
+        tensors when given).
 
     Raises:
-        ValueError: for an unknown ``kind``.
+        ValueError: for an unknown ``kind``, or ``out`` not matching the buckets.
     """
     if kind not in ("normal", "uniform"):
         raise ValueError(f"kind={kind!r} is not accepted; accepted: 'normal', 'uniform'")
     ref = tensors[0]
     sizes = [sum(tensors[i].numel() for i in idx) for idx in groups]
+    if out is not None and [(b.shape, b.dtype, b.device) for b in out] != \
+            [(torch.Size([n]), ref.dtype, ref.device) for n in sizes]:
+        raise ValueError(f"out={[(tuple(b.shape), b.dtype, str(b.device)) for b in out]} does not match the buckets; "
+                         f"accepted: 1-D tensors of sizes {sizes}, dtype {ref.dtype}, device {ref.device}")
     if ref.device.type != "cpu" or sum(sizes) < RNG_PARALLEL_MIN:  # one call of the generator, split per bucket
-        flat = torch.empty(sum(sizes), device=ref.device, dtype=ref.dtype)
+        if out is not None and len(out) != 1:  # one call over the buckets laid end to end
+            flat = torch.empty(sum(sizes), device=ref.device, dtype=ref.dtype)
+            (flat.normal_ if kind == "normal" else flat.uniform_)(generator=generator)
+            for b, chunk in zip(out, flat.split(sizes)):
+                b.copy_(chunk)
+            return list(out)
+        flat = out[0] if out is not None else torch.empty(sum(sizes), device=ref.device, dtype=ref.dtype)
         (flat.normal_ if kind == "normal" else flat.uniform_)(generator=generator)
-        return list(flat.split(sizes))
-    flats = [torch.empty(n, device=ref.device, dtype=ref.dtype) for n in sizes]
+        return list(flat.split(sizes)) if out is None else list(out)
+    flats = list(out) if out is not None else [torch.empty(n, device=ref.device, dtype=ref.dtype) for n in sizes]
     base = int(torch.randint(0, 2**62, (1,), generator=generator))
     pieces = [piece for flat in flats for piece in flat.split(RNG_CHUNK)]
 
@@ -597,8 +612,12 @@ class _GaussianPenalty(torch.autograd.Function):
     @staticmethod
     def forward(ctx, info, *theta):
         means, scales = info
-        diff = torch._foreach_sub(list(theta), means)
-        norms = torch.stack(torch._foreach_norm(diff))
+        norms = []  # bucket by bucket: the differences are bucket-sized temporaries, not a model-sized one
+        for idx in buckets(theta):
+            diff = torch._foreach_sub([theta[i] for i in idx], [means[i] for i in idx])
+            norms.extend(torch._foreach_norm(diff))
+            del diff
+        norms = torch.stack(norms)
         ctx.info = info
         ctx.save_for_backward(*theta)
         return (norms.pow(2) * norms.new_tensor(scales)).sum()
