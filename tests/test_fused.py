@@ -312,3 +312,33 @@ def test_random_buckets_fill_given_buffers_with_the_same_draws(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(filled, fresh))
     with pytest.raises(ValueError, match="does not match the buckets; accepted: 1-D tensors of sizes"):
         fused.random_buckets(refs, groups, "normal", out=[torch.empty(3)])
+
+
+@pytest.mark.parametrize("method, kwargs", [("map", {}), ("map", {"bias": "uninformative", "prior_std": 0.3}),
+                                            ("sgld", {"burn_in": 0}), ("map", {"params": ["4.*"]})])
+def test_map_fused_prior_node_equals_reference(method, kwargs, monkeypatch):
+    """MAP's θ and prior term from one node per bucket: the loss and gradients of the autograd reference
+    (the network's gradient plus that of prior.penalty(..., fused=False))."""
+    from bayeswrap.core import fused
+
+    monkeypatch.setattr(fused, "BUCKET_NUMEL", 64)  # several buckets on this small model
+    model = _model().double()
+    bnn = bw.wrap(model, method, num_data=50, **kwargs)
+    with torch.no_grad():
+        for p in bnn.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+    theta, _ = bnn._sample_and_regularizer()
+    assert any(t._base is not None for t in theta.values())  # the fused node's views
+    out, grads = _loss_and_grads(bnn, 3)
+    for p in bnn.parameters():
+        p.grad = None
+    x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = torch.arange(8) % 5
+    plain = bnn.theta.as_dict()
+    nll = bnn.likelihood.nll(bnn.forward_with(plain, x), y)
+    kl = bnn.prior.penalty(plain, fused=False)
+    (nll + bnn.kl_weight / bnn.num_data * kl).backward()
+    torch.testing.assert_close(out.kl, kl, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(out.loss, nll + bnn.kl_weight / bnn.num_data * kl, rtol=1e-12, atol=1e-14)
+    for n, p in bnn.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-10, atol=1e-14, msg=n)

@@ -255,8 +255,9 @@ class _MeanFieldBucket(torch.autograd.Function):
 
     u(ρ) is :func:`log_std` (κρ, or the reference plus b sinh(κρ/b) with a knee b).
 
-    Inputs: ``(info, eps, *m, *rho)`` for one bucket (``eps``: the bucket's flat N(0, 1)
-    draws from :func:`random_buckets`); outputs ``(*theta, kl)``.
+    Inputs: ``(info, *m, *rho)`` for one bucket (``info``'s last entry: the bucket's flat N(0, 1)
+    draws from :func:`random_buckets`, which θ overwrites: θ are views of that buffer, so the
+    sample allocates nothing model-sized besides the draws); outputs ``(*theta, kl)``.
     Saved for backward: m and ρ (the parameters themselves) and θ (which the
     network keeps for its own backward anyway); s = exp(κρ) is recomputed
     there rather than kept (and u's slope), and θ − m = s ⊙ ε gives ε's contribution without
@@ -266,20 +267,23 @@ class _MeanFieldBucket(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, info, eps, *tensors):
-        n, prior_pos, prior_means, var0, log_std0, kappa, ref, knee = info
+    def forward(ctx, info, *tensors):
+        n, prior_pos, prior_means, var0, log_std0, kappa, ref, knee, eps = info
+        info[-1] = None  # the draws become θ (below); the node does not keep a reference of its own
         m, rho = list(tensors[:n]), list(tensors[n:])
         if knee is None and not ref:
             u = torch._foreach_mul(rho, kappa)
         else:
             u = [log_std(r, kappa, ref, knee) for r in rho]
-        s = torch._foreach_exp(u)
-        theta = torch._foreach_addcmul(m, s, _views(eps, m))
+        log_s = torch.stack([u[i].sum() for i in prior_pos]).sum() if prior_pos else None  # Σ log s
+        torch._foreach_exp_(u)
+        s = u
+        # θ = m + s ⊙ ε written over ε (the bucket's own draws): θ needs no buffer of its own
+        theta = [torch.addcmul(mi, si, ei, out=ei) for mi, si, ei in zip(m, s, _views(eps, m))]
         kl = m[0].new_zeros(())
         if prior_pos:
             mp, sp = [m[i] for i in prior_pos], [s[i] for i in prior_pos]
             diff = torch._foreach_sub(mp, prior_means)
-            log_s = torch.stack([u[i].sum() for i in prior_pos]).sum()  # Σ log s
             count = sum(t.numel() for t in mp)
             kl = (_sum_squares(diff) + _sum_squares(sp)) / (2 * var0) - log_s + count * (log_std0 - 0.5)
         ctx.info = (n, prior_pos, prior_means, var0, kappa, ref, knee)
@@ -295,6 +299,9 @@ class _MeanFieldBucket(torch.autograd.Function):
         k = 0.0 if grads[n] is None or not prior_pos else float(grads[n])  # d loss / d KL
         # ∂L/∂s = g ⊙ ε + k (s/σ² − 1/s) and ∂s/∂ρ = s du/dρ, so with s ε = θ − m
         # ∂L/∂ρ = du/dρ [g ⊙ (θ − m) + k (s²/σ² − 1)]  (no division by s)
+        if knee is None:  # du/dρ = κ: two multiply-adds per element, the gradient written once
+            return (None, *_mean_field_grad_m(g, m, prior_pos, prior_means, k / var0 if k else 0.0),
+                    *_linear_map_grad_rho(g, m, rho, theta, prior_pos if k else [], kappa, ref, k / var0, k))
         grad_rho = torch._foreach_sub(theta, m)
         torch._foreach_mul_(grad_rho, g)
         grad_m = list(g)  # ∂L/∂m = g + k (m − θ̄)/σ²
@@ -313,7 +320,41 @@ class _MeanFieldBucket(torch.autograd.Function):
             torch._foreach_mul_(grad_rho, kappa)
         else:
             torch._foreach_mul_(grad_rho, [log_std_slope(r, kappa, knee) for r in rho])
-        return (None, None, *grad_m, *grad_rho)
+        return (None, *grad_m, *grad_rho)
+
+
+def _mean_field_grad_m(g, m, prior_pos, prior_means, c: float) -> list[torch.Tensor]:
+    """∂L/∂m = g + c (m − θ̄) for the tensors with a prior (c = k/σ²), g itself for the others (or c = 0)."""
+    grad_m = list(g)
+    if c and prior_pos:
+        diff = torch._foreach_sub([m[i] for i in prior_pos], prior_means)
+        for i, t in zip(prior_pos, torch._foreach_add([g[i] for i in prior_pos], diff, alpha=c)):
+            grad_m[i] = t
+    return grad_m
+
+
+def _linear_map_grad_rho(g, m, rho, theta, prior_pos, kappa: float, ref: float, c: float,
+                         k: float) -> list[torch.Tensor]:
+    """∂L/∂ρ = κ g ⊙ (θ − m) + κ k (s²/σ² − 1) under u = κρ + ref (c = k/σ²; the KL term only at ``prior_pos``).
+
+    Written as addcmul(−κk, s, s, κc) then addcmul(·, θ − m, g, κ) (and addcmul(0, θ − m, g, κ) without a
+    prior term): the gradient is written once and s is recomputed from ρ by the forward's operations.
+    """
+    diffs = torch._foreach_sub(theta, m)  # s ⊙ ε, one bucket of temporaries
+    out: list[torch.Tensor | None] = [None] * len(m)
+    if prior_pos:
+        sp = torch._foreach_mul([rho[i] for i in prior_pos], kappa)
+        if ref:
+            torch._foreach_add_(sp, ref)
+        torch._foreach_exp_(sp)
+        offset = sp[0].new_full((), -kappa * k)
+        for i, s in zip(prior_pos, sp):
+            out[i] = torch.addcmul(offset, s, s, value=kappa * c).addcmul_(diffs[i], g[i], value=kappa)
+    zero = m[0].new_zeros(())
+    for i, t in enumerate(out):
+        if t is None:
+            out[i] = torch.addcmul(zero, diffs[i], g[i], value=kappa)
+    return out
 
 
 def mean_field_sample(m: list[torch.Tensor], rho: list[torch.Tensor], prior_idx: list[int],
@@ -353,11 +394,10 @@ def mean_field_sample(m: list[torch.Tensor], rho: list[torch.Tensor], prior_idx:
     noise = random_buckets(m, groups, "normal", generator)
     for b, idx in enumerate(groups):
         prior_pos = [j for j, i in enumerate(idx) if i in prior_mean_of]
-        info = (len(idx), prior_pos, [prior_mean_of[idx[j]] for j in prior_pos], var0, log_std0, kappa,
-                float(log_std_ref), None if log_std_knee is None else float(log_std_knee))
-        eps, noise[b] = noise[b], None  # freed once the bucket's θ exists
-        out = _MeanFieldBucket.apply(info, eps, *[m[i] for i in idx], *[rho[i] for i in idx])
-        del eps
+        info = [len(idx), prior_pos, [prior_mean_of[idx[j]] for j in prior_pos], var0, log_std0, kappa,
+                float(log_std_ref), None if log_std_knee is None else float(log_std_knee), noise[b]]
+        noise[b] = None  # the bucket's draws are overwritten by its θ
+        out = _MeanFieldBucket.apply(info, *[m[i] for i in idx], *[rho[i] for i in idx])
         theta.extend(out[:-1])
         kl = out[-1] if kl is None else kl + out[-1]
     return theta, kl
@@ -628,6 +668,63 @@ class _GaussianPenalty(torch.autograd.Function):
         diff = torch._foreach_sub(list(ctx.saved_tensors), means)
         torch._foreach_mul_(diff, [2.0 * c * float(grad) for c in scales])
         return (None, *diff)
+
+
+class _PenalisedBucket(torch.autograd.Function):
+    """θ passed through (as views) with the bucket's Σ_i c_i ‖θ_i − θ̄_i‖²; backward g_i + 2 k c_i (θ_i − θ̄_i).
+
+    One node carries both the network's and the prior's gradient of θ, so the prior's gradient is added to
+    the network's as it passes (one multiply-add per element) instead of being a second, model-sized gradient
+    that autograd then sums into the first. Saved for backward: θ (the parameters themselves).
+    """
+
+    @staticmethod
+    def forward(ctx, info, *theta):
+        means, scales = info
+        ctx.info = info
+        ctx.save_for_backward(*theta)
+        return (*[t.view_as(t) for t in theta], _scaled_sum_squares(theta, means, scales))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        means, scales = ctx.info
+        n = len(means)
+        k = 0.0 if grads[n] is None else float(grads[n])
+        out = []
+        for g, t, mean, c in zip(grads[:n], ctx.saved_tensors, means, scales):
+            if k and c:
+                diff = t - mean
+                g = diff.mul_(2.0 * c * k) if g is None else torch.add(g, diff, alpha=2.0 * c * k)
+            out.append(g)
+        return (None, *out)
+
+
+def penalised(theta: list[torch.Tensor], means: list[torch.Tensor], scales: list[float],
+              ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """θ as they are (views) together with Σ_i c_i ‖θ_i − θ̄_i‖², bucket by bucket, gradients in closed form.
+
+    The values equal ``theta`` and :func:`gaussian_penalty` (θ, θ̄, c); a loss using both gets the same
+    gradient, g_i + 2 k c_i (θ_i − θ̄_i), with the prior's part added to the network's in one pass instead of
+    a second model-sized gradient summed by autograd.
+
+    Args:
+        theta: parameter tensors.
+        means: prior means θ̄_i, same shapes.
+        scales: per-tensor factors c_i (e.g. 1/(2σ²)).
+
+    Returns:
+        ``(theta_views, penalty)``: views of ``theta`` to use in the forward pass, and the scalar penalty.
+    """
+    theta = list(theta)
+    if not available() or torch.compiler.is_compiling():  # plain ops under vmap/grad and torch.compile
+        return theta, gaussian_penalty(theta, means, scales)
+    out: list[torch.Tensor] = []
+    total = None
+    for idx in buckets(theta):
+        res = _PenalisedBucket.apply(([means[i] for i in idx], [scales[i] for i in idx]), *[theta[i] for i in idx])
+        out.extend(res[:-1])
+        total = res[-1] if total is None else total + res[-1]
+    return out, total
 
 
 def gaussian_penalty(theta: list[torch.Tensor], means: list[torch.Tensor], scales: list[float]) -> torch.Tensor:
