@@ -674,8 +674,9 @@ class _PenalisedBucket(torch.autograd.Function):
     """θ passed through (as views) with the bucket's Σ_i c_i ‖θ_i − θ̄_i‖²; backward g_i + 2 k c_i (θ_i − θ̄_i).
 
     One node carries both the network's and the prior's gradient of θ, so the prior's gradient is added to
-    the network's as it passes (one multiply-add per element) instead of being a second, model-sized gradient
-    that autograd then sums into the first. Saved for backward: θ (the parameters themselves).
+    the network's as it passes (bucket-sized temporaries, the same floating-point operations as the
+    reference) instead of being a second, model-sized gradient that autograd then sums into the first.
+    Saved for backward: θ (the parameters themselves).
     """
 
     @staticmethod
@@ -692,9 +693,9 @@ class _PenalisedBucket(torch.autograd.Function):
         k = 0.0 if grads[n] is None else float(grads[n])
         out = []
         for g, t, mean, c in zip(grads[:n], ctx.saved_tensors, means, scales):
-            if k and c:
-                diff = t - mean
-                g = diff.mul_(2.0 * c * k) if g is None else torch.add(g, diff, alpha=2.0 * c * k)
+            if k and c:  # the reference's operations: its prior gradient (θ − θ̄) · 2ck, summed with g
+                diff = (t - mean).mul_(2.0 * c * k)
+                g = diff if g is None else diff.add_(g)
             out.append(g)
         return (None, *out)
 
