@@ -445,11 +445,13 @@ SPARSE_DROP_MAX_P = 0.25
 
 
 def _sparse_drops(tensors: Sequence[torch.Tensor], probs: Sequence[float]) -> bool:
-    """Whether :func:`drop_positions` draws the drops of ``tensors``: on the CPU, outside ``torch.func`` transforms,
-    for at least :data:`RNG_PARALLEL_MIN` elements in all (smaller models keep the one-uniform-per-element stream
-    of earlier versions) and every p ≤ :data:`SPARSE_DROP_MAX_P`.
+    """Whether :func:`drop_positions` draws the drops of ``tensors``: on the CPU, outside ``torch.func`` transforms
+    and ``torch.compile`` (its data-dependent sizes would break the graph), for at least :data:`RNG_PARALLEL_MIN`
+    elements in all (smaller models keep the one-uniform-per-element stream of earlier versions) and every
+    p ≤ :data:`SPARSE_DROP_MAX_P`.
     """
     return (bool(tensors) and tensors[0].device.type == "cpu" and available()
+            and not torch.compiler.is_compiling()
             and all(0.0 < p <= SPARSE_DROP_MAX_P for p in probs)
             and sum(t.numel() for t in tensors) >= RNG_PARALLEL_MIN)
 
