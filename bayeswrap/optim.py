@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from bayeswrap.core import fused
 from bayeswrap.core.checks import check_bool, check_float, check_int
 
 
@@ -79,17 +80,41 @@ class SGLD(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             torch._foreach_add_(params, [p.grad for p in params], alpha=-group["lr"])
             scale = group["noise_scale"] * math.sqrt(2.0 * group["lr"] / group["num_data"])
             if scale > 0:
-                noise = [torch.randn(p.shape, generator=self.generator, device=p.device, dtype=p.dtype)
-                         for p in params]
-                torch._foreach_add_(params, noise, alpha=scale)
+                torch._foreach_add_(params, self._noise_like(params, index), alpha=scale)
         return loss
+
+    def _noise_like(self, params: list[torch.Tensor], group: int) -> list[torch.Tensor]:
+        """ε ~ N(0, I) shaped like each parameter of param group ``group``: one flat draw per device and dtype from
+        :func:`bayeswrap.core.fused.random_buckets` (on the CPU, a large model's draws come from parallel streams,
+        one per ``torch.get_num_threads()`` thread), split into views. On the CPU the flat buffer (one per param
+        group, device and dtype) is kept between steps, outside the optimizer's state: a model-sized buffer
+        allocated afresh costs its page faults on every step, about half the cost of the draws themselves.
+        """
+        out: list[torch.Tensor | None] = [None] * len(params)
+        kinds: dict = {}
+        for i, p in enumerate(params):
+            kinds.setdefault((p.device, p.dtype), []).append(i)
+        buffers = self.__dict__.setdefault("_noise_buffers", {})
+        for (device, dtype), idx in kinds.items():
+            tensors = [params[i] for i in idx]
+            size = sum(p.numel() for p in tensors)
+            keep = None
+            if device.type == "cpu":
+                keep = buffers.get((group, device, dtype))
+                if keep is None or keep.numel() != size:
+                    keep = buffers[(group, device, dtype)] = torch.empty(size, device=device, dtype=dtype)
+            flat = fused.random_buckets(tensors, [list(range(len(tensors)))], "normal", self.generator,
+                                        out=None if keep is None else [keep])[0]
+            for i, chunk in zip(idx, flat.split([p.numel() for p in tensors])):
+                out[i] = chunk.view(params[i].shape)
+        return out
 
 
 class IVONTerms(NamedTuple):

@@ -245,3 +245,100 @@ def test_vi_std_knee_auto_is_used_only_for_a_start_far_below_the_prior_std():
     for bad in ("sinh", 0.0, -1.0, float("inf"), True):
         with pytest.raises(ValueError, match="std_knee="):
             make(std_knee=bad)
+
+
+def test_sparse_dropout_masks_are_iid_bernoulli_and_the_fused_sample_uses_them(monkeypatch):
+    """Drop positions from geometric gaps: each element dropped with probability p, independently of its
+    neighbours; θ and its gradient from the sparse kernel equal the masked reference's exactly."""
+    from bayeswrap.core import fused
+
+    monkeypatch.setattr(fused, "RNG_PARALLEL_MIN", 1 << 16)
+    g = torch.Generator().manual_seed(0)
+    m = [torch.randn(600, 700, generator=g), torch.randn(333, generator=g), torch.randn(400, 500, generator=g)]
+    means = [torch.randn(t.shape, generator=g) for t in m]
+    probs = [0.1, 0.1, 0.2]
+    assert fused._sparse_drops(m, probs)
+    torch.manual_seed(4)
+    keep = fused.dropout_keep_masks(m, probs)
+    torch.manual_seed(4)
+    assert all(torch.equal(a, b) for a, b in zip(keep, fused.dropout_keep_masks(m, probs)))
+    for p, ks in ((0.1, keep[:2]), (0.2, keep[2:])):
+        dropped = ~torch.cat([k.reshape(-1) for k in ks])
+        n = dropped.numel()
+        assert abs(dropped.double().mean() - p) < 5 * (p * (1 - p) / n) ** 0.5
+        both = (dropped[1:] & dropped[:-1]).double().mean()  # neighbours: P(both dropped) = p²
+        assert abs(both - p * p) < 5 * (p * p * (1 - p * p) / n) ** 0.5
+        blocks = dropped[: n // 1000 * 1000].view(-1, 1000).double().sum(1)  # counts per 1000: Binomial(1000, p)
+        assert abs(blocks.var() / (1000 * p * (1 - p)) - 1) < 5 * (2 / blocks.numel()) ** 0.5
+    leaves = [t.clone().requires_grad_() for t in m]
+    scales = [0.3, 0.0, 0.7]
+    torch.manual_seed(4)
+    theta, penalty = fused.dropout_sample(leaves, probs, means, scales)
+    upstream = [torch.randn(t.shape, generator=g) for t in m]
+    torch.autograd.backward([*theta, penalty], [*upstream, torch.tensor(0.25)])
+    for i, (t, k) in enumerate(zip(theta, keep)):
+        assert torch.equal(t, torch.where(k, m[i], means[i]))
+        expected = torch.where(k, upstream[i], 0.0) + (m[i] - means[i]) * (2.0 * scales[i] * 0.25)
+        torch.testing.assert_close(leaves[i].grad, expected, rtol=1e-6, atol=1e-7)
+    expected_penalty = sum(c * (a - b).pow(2).sum() for a, b, c in zip(m, means, scales))
+    torch.testing.assert_close(penalty, expected_penalty, rtol=1e-5, atol=0)
+
+
+def test_dense_dropout_masks_above_the_sparse_bound_are_uniform_thresholds(monkeypatch):
+    from bayeswrap.core import fused
+
+    monkeypatch.setattr(fused, "RNG_PARALLEL_MIN", 1 << 16)
+    m = [torch.empty(300, 400)]
+    assert not fused._sparse_drops(m, [0.3]) and fused._sparse_drops(m, [0.25])
+    torch.manual_seed(2)
+    keep = fused.dropout_keep_masks(m, [0.3])
+    torch.manual_seed(2)
+    assert torch.equal(keep[0], fused.uniform_like(m)[0] >= 0.3)
+
+
+def test_random_buckets_fill_given_buffers_with_the_same_draws(monkeypatch):
+    from bayeswrap.core import fused
+
+    refs = [torch.empty(300, 500), torch.empty(7), torch.empty(400, 600)]
+    groups = fused.buckets(refs)
+    for parallel_min in (fused.RNG_PARALLEL_MIN, 1 << 10):  # the single-call and the parallel-stream paths
+        monkeypatch.setattr(fused, "RNG_PARALLEL_MIN", parallel_min)
+        torch.manual_seed(6)
+        fresh = fused.random_buckets(refs, groups, "normal")
+        out = [torch.full((b.numel(),), float("nan")) for b in fresh]
+        torch.manual_seed(6)
+        filled = fused.random_buckets(refs, groups, "normal", out=out)
+        assert all(a is b for a, b in zip(filled, out))
+        assert all(torch.equal(a, b) for a, b in zip(filled, fresh))
+    with pytest.raises(ValueError, match="does not match the buckets; accepted: 1-D tensors of sizes"):
+        fused.random_buckets(refs, groups, "normal", out=[torch.empty(3)])
+
+
+@pytest.mark.parametrize("method, kwargs", [("map", {}), ("map", {"bias": "uninformative", "prior_std": 0.3}),
+                                            ("sgld", {"burn_in": 0}), ("map", {"params": ["4.*"]})])
+def test_map_fused_prior_node_equals_reference(method, kwargs, monkeypatch):
+    """MAP's θ and prior term from one node per bucket: the loss and gradients of the autograd reference
+    (the network's gradient plus that of prior.penalty(..., fused=False))."""
+    from bayeswrap.core import fused
+
+    monkeypatch.setattr(fused, "BUCKET_NUMEL", 64)  # several buckets on this small model
+    model = _model().double()
+    bnn = bw.wrap(model, method, num_data=50, **kwargs)
+    with torch.no_grad():
+        for p in bnn.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+    theta, _ = bnn._sample_and_regularizer()
+    assert any(t._base is not None for t in theta.values())  # the fused node's views
+    out, grads = _loss_and_grads(bnn, 3)
+    for p in bnn.parameters():
+        p.grad = None
+    x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = torch.arange(8) % 5
+    plain = bnn.theta.as_dict()
+    nll = bnn.likelihood.nll(bnn.forward_with(plain, x), y)
+    kl = bnn.prior.penalty(plain, fused=False)
+    (nll + bnn.kl_weight / bnn.num_data * kl).backward()
+    torch.testing.assert_close(out.kl, kl, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(out.loss, nll + bnn.kl_weight / bnn.num_data * kl, rtol=1e-12, atol=1e-14)
+    for n, p in bnn.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-10, atol=1e-14, msg=n)

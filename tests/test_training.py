@@ -82,6 +82,22 @@ def test_sgld_step_is_the_langevin_update():
     torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-7)
 
 
+def test_sgld_noise_is_one_flat_draw_per_step_over_all_tensors():
+    """Several tensors: the noise of each step is one flat N(0, 1) draw of the generator split over them (the
+    CPU buffer kept between steps holds each step's fresh draw)."""
+    ps = [nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(5)), nn.Parameter(torch.zeros(2, 2))]
+    opt = bw.optim.SGLD(ps, lr=0.02, num_data=10, generator=torch.Generator().manual_seed(9))
+    ref = torch.Generator().manual_seed(9)
+    scale = math.sqrt(2 * 0.02 / 10)
+    for _ in range(2):
+        before = torch.cat([p.detach().reshape(-1) for p in ps])
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        expected = before - 0.02 + scale * torch.randn(21, generator=ref)
+        torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in ps]), expected, rtol=0, atol=1e-7)
+
+
 def test_point_estimates_get_no_langevin_noise():
     bnn, _ = _setup("sgld", params=["2.*"])
     groups = bnn.param_groups()

@@ -83,7 +83,8 @@ def _thread_pool(workers: int):
 
 
 def random_buckets(tensors: Sequence[torch.Tensor], groups: list[list[int]], kind: str = "normal",
-                   generator: torch.Generator | None = None) -> list[torch.Tensor]:
+                   generator: torch.Generator | None = None, *,
+                   out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """One flat buffer of i.i.d. N(0, 1) (``kind="normal"``) or U[0, 1) (``"uniform"``) draws per bucket.
 
     On a GPU, and for fewer than :data:`RNG_PARALLEL_MIN` elements in all, the
@@ -103,22 +104,36 @@ def random_buckets(tensors: Sequence[torch.Tensor], groups: list[list[int]], kin
         groups: buckets of indices into ``tensors`` (:func:`buckets`).
         kind: ``"normal"`` or ``"uniform"``.
         generator: optional ``torch.Generator``; the global RNG by default.
+        out: optional buffers to fill instead of new ones: one contiguous 1-D tensor per bucket, of the
+            bucket's size, dtype and device (e.g. a buffer kept across steps: a large tensor allocated afresh
+            costs its page faults on every step). The same draws either way.
 
     Returns:
-        A list with one 1-D tensor per bucket, holding as many elements as the bucket's tensors.
+        A list with one 1-D tensor per bucket, holding as many elements as the bucket's tensors (``out``'s
+        tensors when given).
 
     Raises:
-        ValueError: for an unknown ``kind``.
+        ValueError: for an unknown ``kind``, or ``out`` not matching the buckets.
     """
     if kind not in ("normal", "uniform"):
         raise ValueError(f"kind={kind!r} is not accepted; accepted: 'normal', 'uniform'")
     ref = tensors[0]
     sizes = [sum(tensors[i].numel() for i in idx) for idx in groups]
+    if out is not None and [(b.shape, b.dtype, b.device) for b in out] != \
+            [(torch.Size([n]), ref.dtype, ref.device) for n in sizes]:
+        raise ValueError(f"out={[(tuple(b.shape), b.dtype, str(b.device)) for b in out]} does not match the buckets; "
+                         f"accepted: 1-D tensors of sizes {sizes}, dtype {ref.dtype}, device {ref.device}")
     if ref.device.type != "cpu" or sum(sizes) < RNG_PARALLEL_MIN:  # one call of the generator, split per bucket
-        flat = torch.empty(sum(sizes), device=ref.device, dtype=ref.dtype)
+        if out is not None and len(out) != 1:  # one call over the buckets laid end to end
+            flat = torch.empty(sum(sizes), device=ref.device, dtype=ref.dtype)
+            (flat.normal_ if kind == "normal" else flat.uniform_)(generator=generator)
+            for b, chunk in zip(out, flat.split(sizes)):
+                b.copy_(chunk)
+            return list(out)
+        flat = out[0] if out is not None else torch.empty(sum(sizes), device=ref.device, dtype=ref.dtype)
         (flat.normal_ if kind == "normal" else flat.uniform_)(generator=generator)
-        return list(flat.split(sizes))
-    flats = [torch.empty(n, device=ref.device, dtype=ref.dtype) for n in sizes]
+        return list(flat.split(sizes)) if out is None else list(out)
+    flats = list(out) if out is not None else [torch.empty(n, device=ref.device, dtype=ref.dtype) for n in sizes]
     base = int(torch.randint(0, 2**62, (1,), generator=generator))
     pieces = [piece for flat in flats for piece in flat.split(RNG_CHUNK)]
 
@@ -240,8 +255,9 @@ class _MeanFieldBucket(torch.autograd.Function):
 
     u(ρ) is :func:`log_std` (κρ, or the reference plus b sinh(κρ/b) with a knee b).
 
-    Inputs: ``(info, eps, *m, *rho)`` for one bucket (``eps``: the bucket's flat N(0, 1)
-    draws from :func:`random_buckets`); outputs ``(*theta, kl)``.
+    Inputs: ``(info, *m, *rho)`` for one bucket (``info``'s last entry: the bucket's flat N(0, 1)
+    draws from :func:`random_buckets`, which θ overwrites: θ are views of that buffer, so the
+    sample allocates nothing model-sized besides the draws); outputs ``(*theta, kl)``.
     Saved for backward: m and ρ (the parameters themselves) and θ (which the
     network keeps for its own backward anyway); s = exp(κρ) is recomputed
     there rather than kept (and u's slope), and θ − m = s ⊙ ε gives ε's contribution without
@@ -251,20 +267,23 @@ class _MeanFieldBucket(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, info, eps, *tensors):
-        n, prior_pos, prior_means, var0, log_std0, kappa, ref, knee = info
+    def forward(ctx, info, *tensors):
+        n, prior_pos, prior_means, var0, log_std0, kappa, ref, knee, eps = info
+        info[-1] = None  # the draws become θ (below); the node does not keep a reference of its own
         m, rho = list(tensors[:n]), list(tensors[n:])
         if knee is None and not ref:
             u = torch._foreach_mul(rho, kappa)
         else:
             u = [log_std(r, kappa, ref, knee) for r in rho]
-        s = torch._foreach_exp(u)
-        theta = torch._foreach_addcmul(m, s, _views(eps, m))
+        log_s = torch.stack([u[i].sum() for i in prior_pos]).sum() if prior_pos else None  # Σ log s
+        torch._foreach_exp_(u)
+        s = u
+        # θ = m + s ⊙ ε written over ε (the bucket's own draws): θ needs no buffer of its own
+        theta = [torch.addcmul(mi, si, ei, out=ei) for mi, si, ei in zip(m, s, _views(eps, m))]
         kl = m[0].new_zeros(())
         if prior_pos:
             mp, sp = [m[i] for i in prior_pos], [s[i] for i in prior_pos]
             diff = torch._foreach_sub(mp, prior_means)
-            log_s = torch.stack([u[i].sum() for i in prior_pos]).sum()  # Σ log s
             count = sum(t.numel() for t in mp)
             kl = (_sum_squares(diff) + _sum_squares(sp)) / (2 * var0) - log_s + count * (log_std0 - 0.5)
         ctx.info = (n, prior_pos, prior_means, var0, kappa, ref, knee)
@@ -280,6 +299,9 @@ class _MeanFieldBucket(torch.autograd.Function):
         k = 0.0 if grads[n] is None or not prior_pos else float(grads[n])  # d loss / d KL
         # ∂L/∂s = g ⊙ ε + k (s/σ² − 1/s) and ∂s/∂ρ = s du/dρ, so with s ε = θ − m
         # ∂L/∂ρ = du/dρ [g ⊙ (θ − m) + k (s²/σ² − 1)]  (no division by s)
+        if knee is None:  # du/dρ = κ: two multiply-adds per element, the gradient written once
+            return (None, *_mean_field_grad_m(g, m, prior_pos, prior_means, k / var0 if k else 0.0),
+                    *_linear_map_grad_rho(g, m, rho, theta, prior_pos if k else [], kappa, ref, k / var0, k))
         grad_rho = torch._foreach_sub(theta, m)
         torch._foreach_mul_(grad_rho, g)
         grad_m = list(g)  # ∂L/∂m = g + k (m − θ̄)/σ²
@@ -298,7 +320,41 @@ class _MeanFieldBucket(torch.autograd.Function):
             torch._foreach_mul_(grad_rho, kappa)
         else:
             torch._foreach_mul_(grad_rho, [log_std_slope(r, kappa, knee) for r in rho])
-        return (None, None, *grad_m, *grad_rho)
+        return (None, *grad_m, *grad_rho)
+
+
+def _mean_field_grad_m(g, m, prior_pos, prior_means, c: float) -> list[torch.Tensor]:
+    """∂L/∂m = g + c (m − θ̄) for the tensors with a prior (c = k/σ²), g itself for the others (or c = 0)."""
+    grad_m = list(g)
+    if c and prior_pos:
+        diff = torch._foreach_sub([m[i] for i in prior_pos], prior_means)
+        for i, t in zip(prior_pos, torch._foreach_add([g[i] for i in prior_pos], diff, alpha=c)):
+            grad_m[i] = t
+    return grad_m
+
+
+def _linear_map_grad_rho(g, m, rho, theta, prior_pos, kappa: float, ref: float, c: float,
+                         k: float) -> list[torch.Tensor]:
+    """∂L/∂ρ = κ g ⊙ (θ − m) + κ k (s²/σ² − 1) under u = κρ + ref (c = k/σ²; the KL term only at ``prior_pos``).
+
+    Written as addcmul(−κk, s, s, κc) then addcmul(·, θ − m, g, κ) (and addcmul(0, θ − m, g, κ) without a
+    prior term): the gradient is written once and s is recomputed from ρ by the forward's operations.
+    """
+    diffs = torch._foreach_sub(theta, m)  # s ⊙ ε, one bucket of temporaries
+    out: list[torch.Tensor | None] = [None] * len(m)
+    if prior_pos:
+        sp = torch._foreach_mul([rho[i] for i in prior_pos], kappa)
+        if ref:
+            torch._foreach_add_(sp, ref)
+        torch._foreach_exp_(sp)
+        offset = sp[0].new_full((), -kappa * k)
+        for i, s in zip(prior_pos, sp):
+            out[i] = torch.addcmul(offset, s, s, value=kappa * c).addcmul_(diffs[i], g[i], value=kappa)
+    zero = m[0].new_zeros(())
+    for i, t in enumerate(out):
+        if t is None:
+            out[i] = torch.addcmul(zero, diffs[i], g[i], value=kappa)
+    return out
 
 
 def mean_field_sample(m: list[torch.Tensor], rho: list[torch.Tensor], prior_idx: list[int],
@@ -338,11 +394,10 @@ def mean_field_sample(m: list[torch.Tensor], rho: list[torch.Tensor], prior_idx:
     noise = random_buckets(m, groups, "normal", generator)
     for b, idx in enumerate(groups):
         prior_pos = [j for j, i in enumerate(idx) if i in prior_mean_of]
-        info = (len(idx), prior_pos, [prior_mean_of[idx[j]] for j in prior_pos], var0, log_std0, kappa,
-                float(log_std_ref), None if log_std_knee is None else float(log_std_knee))
-        eps, noise[b] = noise[b], None  # freed once the bucket's θ exists
-        out = _MeanFieldBucket.apply(info, eps, *[m[i] for i in idx], *[rho[i] for i in idx])
-        del eps
+        info = [len(idx), prior_pos, [prior_mean_of[idx[j]] for j in prior_pos], var0, log_std0, kappa,
+                float(log_std_ref), None if log_std_knee is None else float(log_std_knee), noise[b]]
+        noise[b] = None  # the bucket's draws are overwritten by its θ
+        out = _MeanFieldBucket.apply(info, *[m[i] for i in idx], *[rho[i] for i in idx])
         theta.extend(out[:-1])
         kl = out[-1] if kl is None else kl + out[-1]
     return theta, kl
@@ -362,12 +417,7 @@ class _DropoutBucket(torch.autograd.Function):
         probs, means, scales = info
         keep = [v >= p for v, p in zip(_views(u, m), probs)]
         theta = [torch.where(z, mi, mean) for z, mi, mean in zip(keep, m, means)]
-        pen = [(mi, mean, c) for mi, mean, c in zip(m, means, scales) if c]
-        penalty = m[0].new_zeros(())
-        if pen:
-            diff = torch._foreach_sub([t[0] for t in pen], [t[1] for t in pen])
-            norms = torch.stack(torch._foreach_norm(diff))
-            penalty = (norms.square() * norms.new_tensor([t[2] for t in pen])).sum()
+        penalty = _scaled_sum_squares(m, means, scales)
         ctx.info = info
         ctx.save_for_backward(*m, *keep)
         return (*theta, penalty)
@@ -388,41 +438,195 @@ class _DropoutBucket(torch.autograd.Function):
         return (None, None, *out)
 
 
+#: :func:`dropout_sample` draws the positions of the dropped elements (geometric gaps) instead of one uniform per
+#: element for drop probabilities up to this value: ~p draws per element instead of 1, and θ a copy of m with the
+#: dropped elements overwritten instead of a masked select
+SPARSE_DROP_MAX_P = 0.25
+
+
+def _sparse_drops(tensors: Sequence[torch.Tensor], probs: Sequence[float]) -> bool:
+    """Whether :func:`drop_positions` draws the drops of ``tensors``: on the CPU, outside ``torch.func`` transforms
+    and ``torch.compile`` (its data-dependent sizes would break the graph), for at least :data:`RNG_PARALLEL_MIN`
+    elements in all (smaller models keep the one-uniform-per-element stream of earlier versions) and every
+    p ≤ :data:`SPARSE_DROP_MAX_P`.
+    """
+    return (bool(tensors) and tensors[0].device.type == "cpu" and available()
+            and not torch.compiler.is_compiling()
+            and all(0.0 < p <= SPARSE_DROP_MAX_P for p in probs)
+            and sum(t.numel() for t in tensors) >= RNG_PARALLEL_MIN)
+
+
+def _bernoulli_positions(length: int, p: float, generator: torch.Generator | None,
+                         device: torch.device) -> torch.Tensor:
+    """Sorted positions in [0, ``length``) of the successes of ``length`` i.i.d. Bernoulli(p) trials (int64).
+
+    The gaps between successes are i.i.d. Geometric(p) on {1, 2, ...}, drawn by inversion from float64
+    uniforms (G = 1 + ⌊log(1 − u) / log(1 − p)⌋, u ~ U[0, 1): P(G = k) = (1 − p)^(k−1) p), so the positions are
+    their cumulative sums minus one; about ``length · p`` draws instead of ``length``.
+    """
+    mean = length * p
+    chunk = int(mean + 6.0 * math.sqrt(mean * (1.0 - p))) + 16
+    log_q = math.log1p(-p)
+    parts: list[torch.Tensor] = []
+    end = -1  # the last position drawn so far
+    while end < length - 1:
+        u = torch.empty(chunk, dtype=torch.float64, device=device).uniform_(generator=generator)
+        gaps = torch.rsub(u, 1.0).log_().div_(log_q).floor_().add_(1.0).to(torch.int64)
+        pos = gaps.cumsum_(0).add_(end)
+        parts.append(pos)
+        end = int(pos[-1])
+        chunk = max(16, chunk // 8)
+    pos = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return pos[:int(torch.searchsorted(pos, length))]
+
+
+def drop_positions(tensors: Sequence[torch.Tensor], probs: Sequence[float],
+                   generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """The flat indices of the dropped elements of each tensor: i.i.d. Bernoulli(p_i) per element.
+
+    The tensors of one drop probability are laid end to end and the positions of the drops in that sequence
+    are drawn by :func:`_bernoulli_positions` (geometric gaps), then cut per tensor.
+
+    Args:
+        tensors: reference tensors (same device).
+        probs: drop probabilities p_i in (0, 1), one per tensor.
+        generator: optional ``torch.Generator`` (the global RNG by default).
+
+    Returns:
+        One sorted 1-D int64 tensor per tensor, of indices into ``tensor.reshape(-1)``.
+    """
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for p in dict.fromkeys(probs):
+        idx = [i for i, q in enumerate(probs) if q == p]
+        starts = [0]
+        for i in idx:
+            starts.append(starts[-1] + tensors[i].numel())
+        pos = _bernoulli_positions(starts[-1], float(p), generator, tensors[idx[0]].device)
+        cuts = torch.searchsorted(pos, torch.tensor(starts, dtype=torch.int64, device=pos.device)).tolist()
+        for j, i in enumerate(idx):
+            out[i] = pos[cuts[j]:cuts[j + 1]] - starts[j]
+    return out
+
+
+def dropout_keep_masks(tensors: Sequence[torch.Tensor], probs: Sequence[float],
+                       generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Keep masks z_i = [element kept], exactly the draws :func:`dropout_sample` makes under the same RNG state.
+
+    Args:
+        tensors: reference tensors (same dtype and device).
+        probs: drop probabilities p_i in (0, 1), one per tensor.
+        generator: optional ``torch.Generator``.
+
+    Returns:
+        One bool tensor per tensor, of its shape: True where the element is kept (probability 1 − p_i).
+    """
+    if _sparse_drops(tensors, probs):
+        masks = []
+        for t, pos in zip(tensors, drop_positions(tensors, probs, generator)):
+            keep = torch.ones(t.shape, dtype=torch.bool, device=t.device)
+            keep.view(-1).index_fill_(0, pos, False)
+            masks.append(keep)
+        return masks
+    return [u >= p for u, p in zip(uniform_like(tensors, generator), probs)]
+
+
+class _SparseDropoutBucket(torch.autograd.Function):
+    """:class:`_DropoutBucket` from the positions of the dropped elements (:func:`drop_positions`).
+
+    θ_i is a copy of m_i with the dropped elements set to θ̄_i; the backward writes
+    z_i ⊙ g_i + 2 k c_i (m_i − θ̄_i) as (2 k c_i (m_i − θ̄_i)) + g_i with the dropped elements kept at their first
+    term, the same floating-point operations as the reference's sum of the two gradients. Saved for backward: m
+    and the positions (8 bytes per dropped element).
+    """
+
+    @staticmethod
+    def forward(ctx, info, *m):
+        positions, means, scales = info
+        theta = []
+        for mi, pos, mean in zip(m, positions, means):
+            t = mi.clone(memory_format=torch.contiguous_format)
+            t.view(-1).index_copy_(0, pos, mean.reshape(-1).index_select(0, pos))
+            theta.append(t)
+        penalty = _scaled_sum_squares(m, means, scales)
+        ctx.info = info
+        ctx.save_for_backward(*m)
+        return (*theta, penalty)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        positions, means, scales = ctx.info
+        n = len(positions)
+        k = 0.0 if grads[n] is None else float(grads[n])
+        out = []
+        for g, mi, pos, mean, c in zip(grads[:n], ctx.saved_tensors, positions, means, scales):
+            if k and c:
+                gm = (mi - mean).mul_(2.0 * c * k)
+                if g is not None:
+                    dropped = gm.view(-1).index_select(0, pos)
+                    gm.add_(g)
+                    gm.view(-1).index_copy_(0, pos, dropped)
+            else:
+                gm = torch.zeros_like(mi) if g is None else g.clone(memory_format=torch.contiguous_format)
+                gm.view(-1).index_fill_(0, pos, 0.0)
+            out.append(gm)
+        return (None, *out)
+
+
+def _scaled_sum_squares(m, means, scales) -> torch.Tensor:
+    """Σ_i c_i ‖m_i − θ̄_i‖² over the terms with c_i ≠ 0 (a zero scalar without any)."""
+    pen = [(mi, mean, c) for mi, mean, c in zip(m, means, scales) if c]
+    if not pen:
+        return m[0].new_zeros(())
+    diff = torch._foreach_sub([t[0] for t in pen], [t[1] for t in pen])
+    norms = torch.stack(torch._foreach_norm(diff))
+    return (norms.square() * norms.new_tensor([t[2] for t in pen])).sum()
+
+
 def dropout_sample(m: list[torch.Tensor], probs: list[float], means: list[torch.Tensor], scales: list[float],
                    generator: torch.Generator | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A parameter-dropout sample towards θ̄ and its Gaussian penalty, bucket by bucket.
 
-    θ_i = z_i ⊙ m_i + (1 − z_i) ⊙ θ̄_i with z_i = [u_i ≥ p_i], u ~ U[0, 1) from
-    :func:`random_buckets` (so z_i ~ Bernoulli(1 − p_i)), and the penalty
+    θ_i = z_i ⊙ m_i + (1 − z_i) ⊙ θ̄_i with z_i ~ Bernoulli(1 − p_i) elementwise, and the penalty
     Σ_i c_i ‖m_i − θ̄_i‖² (BayesDLL eq. 10 with c_i = (1 − p_i)/(2σ²)). Gradients
     w.r.t. m are written in closed form; temporaries are bucket-sized.
+
+    The drops come from :func:`drop_positions` (geometric gaps between the dropped elements, about p draws
+    per element) on the CPU for large models with every p ≤ :data:`SPARSE_DROP_MAX_P`, else from
+    z_i = [u_i ≥ p_i] with u ~ U[0, 1) from :func:`random_buckets`; :func:`dropout_keep_masks` gives the same
+    masks under the same RNG state.
 
     Args:
         m: the kept values, one tensor per parameter, each with p_i > 0.
         probs: drop probabilities p_i in (0, 1).
         means: prior means θ̄_i (the dropped value), same shapes as ``m``.
         scales: penalty factors c_i ≥ 0 (0: no penalty term).
-        generator: optional ``torch.Generator`` for u.
+        generator: optional ``torch.Generator`` for the draws.
 
     Returns:
         ``(theta, penalty)``: the sampled tensors and the scalar penalty in nats.
     """
     groups = buckets(m)
-    noise = random_buckets(m, groups, "uniform", generator)
+    sparse = _sparse_drops(m, probs)
+    noise = drop_positions(m, probs, generator) if sparse else random_buckets(m, groups, "uniform", generator)
     theta: list[torch.Tensor] = []
     total = None
     for b, idx in enumerate(groups):
-        info = ([probs[i] for i in idx], [means[i] for i in idx], [scales[i] for i in idx])
-        u, noise[b] = noise[b], None
-        out = _DropoutBucket.apply(info, u, *[m[i] for i in idx])
-        del u
+        if sparse:
+            info = ([noise[i] for i in idx], [means[i] for i in idx], [scales[i] for i in idx])
+            out = _SparseDropoutBucket.apply(info, *[m[i] for i in idx])
+        else:
+            info = ([probs[i] for i in idx], [means[i] for i in idx], [scales[i] for i in idx])
+            u, noise[b] = noise[b], None
+            out = _DropoutBucket.apply(info, u, *[m[i] for i in idx])
+            del u
         theta.extend(out[:-1])
         total = out[-1] if total is None else total + out[-1]
     return theta, total
 
 
 def uniform_like(tensors: Sequence[torch.Tensor], generator: torch.Generator | None = None) -> list[torch.Tensor]:
-    """U ~ U[0, 1) shaped like each tensor, exactly the draws :func:`dropout_sample` makes under the same RNG state.
+    """U ~ U[0, 1) shaped like each tensor, drawn by :func:`random_buckets` (the draws of :func:`dropout_sample`'s
+    dense path under the same RNG state; :func:`dropout_keep_masks` gives its masks on either path).
 
     Args:
         tensors: reference tensors (same dtype and device).
@@ -450,8 +654,12 @@ class _GaussianPenalty(torch.autograd.Function):
     @staticmethod
     def forward(ctx, info, *theta):
         means, scales = info
-        diff = torch._foreach_sub(list(theta), means)
-        norms = torch.stack(torch._foreach_norm(diff))
+        norms = []  # bucket by bucket: the differences are bucket-sized temporaries, not a model-sized one
+        for idx in buckets(theta):
+            diff = torch._foreach_sub([theta[i] for i in idx], [means[i] for i in idx])
+            norms.extend(torch._foreach_norm(diff))
+            del diff
+        norms = torch.stack(norms)
         ctx.info = info
         ctx.save_for_backward(*theta)
         return (norms.pow(2) * norms.new_tensor(scales)).sum()
@@ -462,6 +670,64 @@ class _GaussianPenalty(torch.autograd.Function):
         diff = torch._foreach_sub(list(ctx.saved_tensors), means)
         torch._foreach_mul_(diff, [2.0 * c * float(grad) for c in scales])
         return (None, *diff)
+
+
+class _PenalisedBucket(torch.autograd.Function):
+    """θ passed through (as views) with the bucket's Σ_i c_i ‖θ_i − θ̄_i‖²; backward g_i + 2 k c_i (θ_i − θ̄_i).
+
+    One node carries both the network's and the prior's gradient of θ, so the prior's gradient is added to
+    the network's as it passes (bucket-sized temporaries, the same floating-point operations as the
+    reference) instead of being a second, model-sized gradient that autograd then sums into the first.
+    Saved for backward: θ (the parameters themselves).
+    """
+
+    @staticmethod
+    def forward(ctx, info, *theta):
+        means, scales = info
+        ctx.info = info
+        ctx.save_for_backward(*theta)
+        return (*[t.view_as(t) for t in theta], _scaled_sum_squares(theta, means, scales))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        means, scales = ctx.info
+        n = len(means)
+        k = 0.0 if grads[n] is None else float(grads[n])
+        out = []
+        for g, t, mean, c in zip(grads[:n], ctx.saved_tensors, means, scales):
+            if k and c:  # the reference's operations: its prior gradient (θ − θ̄) · 2ck, summed with g
+                diff = (t - mean).mul_(2.0 * c * k)
+                g = diff if g is None else diff.add_(g)
+            out.append(g)
+        return (None, *out)
+
+
+def penalised(theta: list[torch.Tensor], means: list[torch.Tensor], scales: list[float],
+              ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """θ as they are (views) together with Σ_i c_i ‖θ_i − θ̄_i‖², bucket by bucket, gradients in closed form.
+
+    The values equal ``theta`` and :func:`gaussian_penalty` (θ, θ̄, c); a loss using both gets the same
+    gradient, g_i + 2 k c_i (θ_i − θ̄_i), with the prior's part added to the network's in one pass instead of
+    a second model-sized gradient summed by autograd.
+
+    Args:
+        theta: parameter tensors.
+        means: prior means θ̄_i, same shapes.
+        scales: per-tensor factors c_i (e.g. 1/(2σ²)).
+
+    Returns:
+        ``(theta_views, penalty)``: views of ``theta`` to use in the forward pass, and the scalar penalty.
+    """
+    theta = list(theta)
+    if not available() or torch.compiler.is_compiling():  # plain ops under vmap/grad and torch.compile
+        return theta, gaussian_penalty(theta, means, scales)
+    out: list[torch.Tensor] = []
+    total = None
+    for idx in buckets(theta):
+        res = _PenalisedBucket.apply(([means[i] for i in idx], [scales[i] for i in idx]), *[theta[i] for i in idx])
+        out.extend(res[:-1])
+        total = res[-1] if total is None else total + res[-1]
+    return out, total
 
 
 def gaussian_penalty(theta: list[torch.Tensor], means: list[torch.Tensor], scales: list[float]) -> torch.Tensor:

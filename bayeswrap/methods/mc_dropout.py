@@ -56,7 +56,7 @@ from bayeswrap.core.adapters import adapter_parameter_names
 from bayeswrap.core.batches import x_device
 from bayeswrap.core.checks import check_bool
 from bayeswrap.core.functional import NamedTensors, is_bias
-from bayeswrap.core.fused import dropout_sample, uniform_like
+from bayeswrap.core.fused import dropout_keep_masks, dropout_sample, penalised
 from bayeswrap.methods.base import BayesianModel, check_float, check_int, register_method
 from bayeswrap.methods.predictives import Predictive, Sampled
 
@@ -209,16 +209,18 @@ class MCDropout(BayesianModel):
     def _masked(self, shape_prefix=(), generator=None):
         out = {}
         dropped = [n for n in self.theta.keys() if self.drop_prob[n] > 0.0]
-        # a training sample draws its u exactly as the fused kernel does (bayeswrap.core.fused.uniform_like)
-        u = dict(zip(dropped, uniform_like([self.theta[n] for n in dropped], generator))) \
+        # a training sample draws its masks exactly as the fused kernel does (bayeswrap.core.fused.dropout_keep_masks)
+        keep = dict(zip(dropped, dropout_keep_masks([self.theta[n] for n in dropped],
+                                                    [self.drop_prob[n] for n in dropped], generator))) \
             if not shape_prefix and dropped else {}
         for n, m in self.theta.items():
             p = self.drop_prob[n]
             if p == 0.0:
                 out[n] = m.expand(*shape_prefix, *m.shape) if shape_prefix else m
                 continue
-            draws = u[n] if n in u else torch.rand((*shape_prefix, *m.shape), device=m.device, generator=generator)
-            out[n] = torch.where(draws >= p, m, self.prior.mean[n])
+            mask = keep[n] if n in keep else \
+                torch.rand((*shape_prefix, *m.shape), device=m.device, generator=generator) >= p
+            out[n] = torch.where(mask, m, self.prior.mean[n])
         return out
 
     def _train_sample(self):
@@ -229,17 +231,24 @@ class MCDropout(BayesianModel):
             return super()._sample_and_regularizer()
         names = self.theta.keys()
         dropped = [n for n in names if self.drop_prob[n] > 0.0]
-        if not dropped:
-            return super()._sample_and_regularizer()
         kept = [n for n in names if self.drop_prob[n] == 0.0]
-        scales = [(1.0 - self.drop_prob[n]) * 0.5 / self.prior_std**2 if self.prior.applies_to(n) else 0.0
-                  for n in dropped]
-        theta, penalty = dropout_sample([self.theta[n] for n in dropped], [self.drop_prob[n] for n in dropped],
-                                        [self.prior.mean[n] for n in dropped], scales)
-        sample = dict(zip(dropped, theta))
-        if kept:
-            sample.update({n: self.theta[n] for n in kept})
-            penalty = penalty + self.prior.penalty({n: self.theta[n] for n in kept})
+        sample, penalty = {}, None
+        if dropped:
+            scales = [(1.0 - self.drop_prob[n]) * 0.5 / self.prior_std**2 if self.prior.applies_to(n) else 0.0
+                      for n in dropped]
+            theta, penalty = dropout_sample([self.theta[n] for n in dropped],
+                                            [self.drop_prob[n] for n in dropped],
+                                            [self.prior.mean[n] for n in dropped], scales)
+            sample.update(zip(dropped, theta))
+        sample.update({n: self.theta[n] for n in kept})
+        with_prior = [n for n in kept if self.prior.applies_to(n)]
+        if with_prior:  # MAP's fused node (p = 0: the same values and gradients as MAP's)
+            views, term = penalised([self.theta[n] for n in with_prior], [self.prior.mean[n] for n in with_prior],
+                                    [0.5 / self.prior_std**2] * len(with_prior))
+            sample.update(zip(with_prior, views))
+            penalty = term if penalty is None else penalty + term
+        if penalty is None:
+            penalty = self.regularizer()
         return {n: sample[n] for n in names}, penalty
 
     def regularizer(self) -> torch.Tensor:

@@ -25,7 +25,7 @@ def markdown(result: dict) -> str:
                   "kernel where supported) for plain training and every SGD-trained method (SGLD: bw.optim.SGLD, "
                   "IVON: bw.optim.IVON).",
                   "Time ratios are wall-clock; on CPU the ratio of process CPU time is given too (robust to other "
-                  "load). Peak memory: CUDA max allocated, or on CPU the max RSS of a fresh process per "
+                  "load), and the step targets are checked on it. Peak memory: CUDA max allocated, or on CPU the max RSS of a fresh process per "
                   "configuration.", ""]
     if result.get("bayesdll"):
         b = result["bayesdll"]
