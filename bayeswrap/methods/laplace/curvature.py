@@ -360,6 +360,7 @@ class LayerCurvature:
             self._contract(calls, uses, layer_names, deltas, acc, v.shape[0], batch)
             if network_names:
                 _network_grads(forward, theta, network_names, x, v, max(1, self.chunk_size // v.shape[0]), acc)
+        acc.finish()
         return f.detach()
 
     def _contract(self, calls, uses, layer_names, deltas, acc, m: int, batch: int) -> None:
@@ -369,6 +370,15 @@ class LayerCurvature:
             (i, attr), = uses[name][:1]
             call = calls[i]
             d = deltas.get(i)
+            if len(uses[name]) == 1 and d is not None and attr == "weight" and hasattr(acc, "gram") and \
+                    _gram_cheaper(call, d):
+                # few output positions: Σ_n g_n² from Gram matrices of δ and of the input patches, without
+                # per-example gradients (accumulated over the vector chunks, contracted once in acc.finish)
+                acc.gram(name, call, d)
+                continue
+            if len(uses[name]) == 1 and d is not None and call.kind == "conv" and attr == "bias":
+                acc.rows_of(name, d.flatten(3).sum(3), slice(None), True)  # (m, B, out): Σ over positions
+                continue
             if len(uses[name]) == 1 and d is not None and _one_position_conv(call, d):
                 # a convolution with one output position is a Linear on its input patch: the closed form, without
                 # per-example gradients (e.g. the last stage of a ResNet on small images)
@@ -414,6 +424,22 @@ class LayerCurvature:
                     acc.rows_of(name, g, sl, owned)
 
 
+#: the Gram form replaces a per-example gradient row (one bmm output element, written, squared and summed: memory
+#: bound) by L² multiply-adds of one large matmul; measured on one CPU core, a row costs about as much as 64
+#: multiply-adds plus the L of its bmm, so the Gram form is used where L² ≤ m · (GRAM_ROW_COST + L)
+GRAM_ROW_COST = 64
+
+
+def _gram_cheaper(call: _Call, d: torch.Tensor) -> bool:
+    """Whether a convolution's weight takes the Gram form: L output positions with L² ≤ m (GRAM_ROW_COST + L) for
+    the m vectors of this backward pass (δ (m, B, out, *positions)), and more than one position.
+    """
+    if call.kind != "conv" or d.dim() < 4:
+        return False
+    positions = d[0, 0, 0].numel()
+    return 1 < positions and positions * positions <= d.shape[0] * (GRAM_ROW_COST + positions)
+
+
 def _one_position_conv(call: _Call, d: torch.Tensor) -> bool:
     """Whether a call is an ungrouped convolution with one output position (δ (m, B, out, 1, ...))."""
     return call.kind == "conv" and call.module.groups == 1 and d.dim() > 3 and d[0, 0, 0].numel() == 1
@@ -433,9 +459,40 @@ class _Sums:
 
     def __init__(self, theta):
         self.total = {n: torch.zeros_like(t) for n, t in theta.items()}
+        self.grams: dict[str, list] = {}  # name -> [module, input, Σ_m δδᵀ (B·out, L, L)]
 
     def start(self, m, batch, f):
         """Per-batch set-up of the accumulator protocol: the sums need none (:class:`_RowNorms` keeps rows)."""
+
+    def gram(self, name, call, d):
+        """Adds Σ_m δ_{m,n,o} δ_{m,n,o}ᵀ (L × L over the output positions) of a conv weight's vectors.
+
+        With g_{m,n,o,i} = Σ_l δ_{m,n,o,l} U_{n,i,l} (U the unfolded input patches),
+        Σ_{m,n} g² = Σ_n Σ_{l,l'} (Σ_m δ_{m,n,o,l} δ_{m,n,o,l'}) U_{n,i,l} U_{n,i,l'}: the sum over the vectors
+        folds into the first factor, so the contraction with the patches runs once (:meth:`finish`).
+        """
+        m, b, o = d.shape[:3]
+        x = d.reshape(m, b * o, -1).permute(1, 2, 0)  # (B·out, L, m)
+        outer = torch.bmm(x, x.transpose(1, 2))  # (B·out, L, L)
+        entry = self.grams.get(name)
+        if entry is None:
+            self.grams[name] = [call.module, call.input, outer]
+        else:
+            entry[2] += outer
+
+    def finish(self):
+        """Contracts the Gram factors of :meth:`gram` with the input patches' (one matmul per group)."""
+        for name, (module, a, outer) in self.grams.items():
+            total = self.total[name]
+            u = _conv_patches(module, a)  # (B, C·kk, L)
+            b, ck, length = u.shape
+            g, o = module.groups, total.shape[0]
+            y = u.reshape(b * ck, length)
+            patches = (y.unsqueeze(2) * y.unsqueeze(1)).reshape(b, g, ck // g, length * length)
+            patches = patches.permute(1, 0, 3, 2).reshape(g, b * length * length, ck // g)
+            outer = outer.reshape(b, g, o // g, length * length).permute(1, 0, 3, 2).reshape(g, -1, o // g)
+            total += torch.bmm(outer.transpose(1, 2), patches).reshape(total.shape)
+        self.grams = {}
 
     def rows_of(self, name, g, sl, owned=False):  # g: (m, c, *shape)
         self.total[name] += _squared(g, owned).sum((0, 1))
@@ -456,6 +513,9 @@ class _RowNorms:
 
     def start(self, m, batch, f):
         self.rows.append(torch.zeros(m, batch, dtype=f.dtype, device=f.device))
+
+    def finish(self):
+        """Nothing to contract at the end: every row is complete after its pass."""
 
     def rows_of(self, name, g, sl, owned=False):
         self.rows[-1][:, sl] += (_squared(g, owned) * self.weights[name]).flatten(2).sum(2)
