@@ -366,11 +366,13 @@ class ConvZoo(nn.Module):
         return self.fc(torch.tanh(self.c1d(x)).flatten(1))
 
 
-@pytest.mark.parametrize("rule", ["gram", "direct"])
+@pytest.mark.parametrize("rule", ["gram", "direct", "mixed"])
 def test_conv_weight_rules_equal_the_loop(monkeypatch, rule):
     """Both conv weight rules (the Gram form of few positions, per-example gradients by bmm) on every kind of
-    convolution equal the per-example loop, for the empirical Fisher, the GGN and several vectors per pass."""
-    monkeypatch.setattr(curvature_module, "GRAM_ROW_COST", 10**9 if rule == "gram" else -10**9)
+    convolution equal the per-example loop, for the empirical Fisher, the GGN and several vectors per pass;
+    "mixed": the 16-position layers switch to the Gram form at the GGN's second pass (256 ≤ 2 (150 + 16))."""
+    cost = {"gram": 10**9, "direct": -10**9, "mixed": 150}[rule]
+    monkeypatch.setattr(curvature_module, "GRAM_ROW_COST", cost)
     grams = []
     original = curvature_module._Sums.gram
     monkeypatch.setattr(curvature_module._Sums, "gram",
@@ -385,7 +387,7 @@ def test_conv_weight_rules_equal_the_loop(monkeypatch, rule):
         assert all(float(t.abs().max()) > 0 for t in fast.values())
         routes = bnn._layer_curvature.routes
         assert routes["c3d.weight"] == "module" and routes["c1d.weight"] == routes["dw.weight"] == "conv"
-    expected = {"c1.weight", "dw.weight", "grp.weight", "c1d.weight"} if rule == "gram" else set()
+    expected = set() if rule == "direct" else {"c1.weight", "dw.weight", "grp.weight", "c1d.weight"}
     assert set(grams) == expected
 
 
@@ -402,3 +404,29 @@ def test_gram_form_in_float32():
     ref_bnn = _wrap(copy.deepcopy(model).to(DT), "layers", "empirical_fisher")
     ref = _loop_reference(ref_bnn, x.to(DT), y, "empirical_fisher")
     _assert_close({n: t.double() for n, t in fast.items()}, ref, "float32 Gram")
+
+
+@pytest.mark.parametrize("curvature", CURVATURES)
+def test_fit_runs_one_forward_per_batch(curvature):
+    """fit_curvature's log-likelihood reuses the engine's recorded forward: one forward per batch, the same
+    log-likelihood and curvature as the vmap reference."""
+    model = _model("cnn")
+    x, y = _data("cnn")
+    calls = []
+    handle = model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        fast_bnn = _wrap(model, "layers", curvature)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            fast_bnn.fit_curvature([(x, y)], generator=torch.Generator().manual_seed(7))  # finds the in-place ReLU
+            calls.clear()
+            fast_bnn.fit_curvature([(x, y)], generator=torch.Generator().manual_seed(7))
+        assert len(calls) == 1
+        fast = {n: t * x.shape[0] for n, t in fast_bnn.curvature_diag.items()}
+        ref_bnn, ref = _fit(model, x, y, "vmap", curvature)
+    finally:
+        handle.remove()
+    _assert_close(fast, ref, f"one forward/{curvature}")
+    assert torch.allclose(fast_bnn.train_log_likelihood, ref_bnn.train_log_likelihood, rtol=1e-12)
+    engine = fast_bnn._layer_curvature
+    assert engine._captured is None  # consumed by the curvature pass

@@ -196,6 +196,7 @@ class LayerCurvature:
         self.verified = {m for m, k in self.kinds.items() if k == "module" or _standard_forward(m, k)}
         self.copy_outputs = False
         self.routes: dict[str, str] = {}
+        self._captured: tuple | None = None  # (x, theta, key, capture) of :meth:`forward`, until the next call
 
     @property
     def usable(self) -> bool:
@@ -319,7 +320,26 @@ class LayerCurvature:
         f = self._run(forward, theta, x, vectors, acc)
         return f, torch.cat(acc.rows, 0)
 
-    def _run(self, forward, theta, x, vectors, acc) -> torch.Tensor:
+    def forward(self, forward: Callable, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
+        """The batched outputs, from the forward pass that the next :meth:`squared_grad_sums` (or
+        :meth:`weighted_row_norms`) on the same ``x`` and ``theta`` then reuses instead of running its own.
+
+        Lets a caller that needs f anyway (the log-likelihood of ``fit_curvature``) pay for one forward pass per
+        batch. The recorded pass (its graph and layer inputs) is held until that next call, which consumes it;
+        it is reused only for the same ``x`` object and the same parameter storage and versions.
+
+        Returns:
+            f (B, *out), detached.
+
+        Raises:
+            ValueError: if :attr:`usable` is False.
+        """
+        self._captured = None
+        theta, capture = self._forward(forward, theta, x)
+        self._captured = (x, theta, _theta_key(theta), capture)
+        return capture[0].detach()
+
+    def _forward(self, forward, theta, x):
         if not self.usable:
             raise ValueError("the model couples the examples of a batch (BatchNorm in training mode or without "
                              "running statistics): per-layer per-example gradients are undefined; use the vmap "
@@ -330,6 +350,14 @@ class LayerCurvature:
             if changed and not self.copy_outputs:  # an in-place op overwrote a recorded tensor: copy them
                 self.copy_outputs = True
                 f, calls, outside, changed = self._capture(forward, theta, x)
+        return theta, (f, calls, outside)
+
+    def _run(self, forward, theta, x, vectors, acc) -> torch.Tensor:
+        captured, self._captured = self._captured, None
+        if captured is not None and captured[0] is x and captured[2] == _theta_key(theta):
+            theta, (f, calls, outside) = captured[1], captured[3]
+        else:
+            theta, (f, calls, outside) = self._forward(forward, theta, x)
         batch = f.shape[0]
         for call in calls:  # subclasses of known layers: their function must be the standard one
             if call.module not in self.verified:
@@ -354,24 +382,28 @@ class LayerCurvature:
         targets = [i for i in needed if isinstance(calls[i].output, torch.Tensor) and calls[i].output.requires_grad]
         per_call = max(1, self.chunk_size // batch)
         network_names = [n for n in self.names if n in network]
+        seen = 0  # vectors so far, this pass's included
         for v in vectors(f.detach(), per_call):
+            seen += v.shape[0]
             acc.start(v.shape[0], batch, f)
             deltas = dict(zip(targets, _backward(f, [calls[i].output for i in targets], v)))
-            self._contract(calls, uses, layer_names, deltas, acc, v.shape[0], batch)
+            self._contract(calls, uses, layer_names, deltas, acc, v.shape[0], batch, seen)
             if network_names:
                 _network_grads(forward, theta, network_names, x, v, max(1, self.chunk_size // v.shape[0]), acc)
         acc.finish()
         return f.detach()
 
-    def _contract(self, calls, uses, layer_names, deltas, acc, m: int, batch: int) -> None:
-        """Adds the per-layer names' per-row gradients, from the recorded inputs and δ = deltas[call], to acc."""
+    def _contract(self, calls, uses, layer_names, deltas, acc, m: int, batch: int, seen: int) -> None:
+        """Adds the per-layer names' per-row gradients, from the recorded inputs and δ = deltas[call], to acc
+        (``seen``: the vectors of this and the earlier passes, which the Gram form's one contraction serves).
+        """
         chunked, patches = [], {}
         for name in layer_names:
             (i, attr), = uses[name][:1]
             call = calls[i]
             d = deltas.get(i)
             if len(uses[name]) == 1 and d is not None and attr == "weight" and hasattr(acc, "gram") and \
-                    _gram_cheaper(call, d):
+                    _gram_cheaper(call, d, seen):
                 # few output positions: Σ_n g_n² from Gram matrices of δ and of the input patches, without
                 # per-example gradients (accumulated over the vector chunks, contracted once in acc.finish)
                 acc.gram(name, call, d)
@@ -425,19 +457,28 @@ class LayerCurvature:
 
 
 #: the Gram form replaces a per-example gradient row (one bmm output element, written, squared and summed: memory
-#: bound) by L² multiply-adds of one large matmul; measured on one CPU core, a row costs about as much as 64
-#: multiply-adds plus the L of its bmm, so the Gram form is used where L² ≤ m · (GRAM_ROW_COST + L)
+#: bound) by L² multiply-adds of one large matmul run once for all vectors; measured on one CPU core, a row costs
+#: about as much as 64 multiply-adds plus the L of its bmm, so the Gram form is used where
+#: L² ≤ M · (GRAM_ROW_COST + L), M the vectors so far (the empirical Fisher: 1; the GGN: K over its passes)
 GRAM_ROW_COST = 64
 
 
-def _gram_cheaper(call: _Call, d: torch.Tensor) -> bool:
-    """Whether a convolution's weight takes the Gram form: L output positions with L² ≤ m (GRAM_ROW_COST + L) for
-    the m vectors of this backward pass (δ (m, B, out, *positions)), and more than one position.
+def _gram_cheaper(call: _Call, d: torch.Tensor, seen: int) -> bool:
+    """Whether a convolution's weight takes the Gram form in this pass: more than one output position (δ (m, B,
+    out, *positions)) and L² ≤ seen (GRAM_ROW_COST + L), ``seen`` the vectors of this and the earlier passes.
+
+    Several passes (the K vectors of the GGN in chunks) switch a layer to the Gram form once the rows already
+    formed would have paid for its one contraction, so the total is within 2x of the cheaper rule's.
     """
     if call.kind != "conv" or d.dim() < 4:
         return False
     positions = d[0, 0, 0].numel()
-    return 1 < positions and positions * positions <= d.shape[0] * (GRAM_ROW_COST + positions)
+    return 1 < positions and positions * positions <= seen * (GRAM_ROW_COST + positions)
+
+
+def _theta_key(theta: Mapping[str, torch.Tensor]) -> tuple:
+    """What identifies a parameter point without comparing values: names, storage, shape and version."""
+    return tuple((n, t.data_ptr(), tuple(t.shape), t._version) for n, t in theta.items())
 
 
 def _one_position_conv(call: _Call, d: torch.Tensor) -> bool:

@@ -259,7 +259,9 @@ class CurvatureFitting:
                 for index, batch in enumerate(train_loader):
                     x, y = loader_pair(batch, f"fit_curvature's loader batch {index}", self.label_key, device,
                                        self.likelihood.name == "categorical")
-                    out = self.forward_with(theta, x)
+                    # the per-layer engine's recorded forward serves the log-likelihood too (one forward per batch)
+                    engine = self._layer_engine() if structure is None else None
+                    out = self.forward_with(theta, x) if engine is None else engine.forward(self.forward_with, theta, x)
                     self.likelihood.check_targets(out, y)
                     batch_log_lik = -example_nll(self.likelihood, out, y).double().sum()
                     if not bool(torch.isfinite(batch_log_lik)):  # one sync per batch (check_targets syncs anyway)
