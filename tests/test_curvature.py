@@ -305,7 +305,7 @@ def test_convolutions_with_one_output_position_take_the_linear_closed_form():
     calls = []
     original = curvature_module._conv_weight_grads
     try:
-        curvature_module._conv_weight_grads = lambda mod, a, d: (calls.append(mod), original(mod, a, d))[1]
+        curvature_module._conv_weight_grads = lambda mod, a, d, u=None: (calls.append(mod), original(mod, a, d, u))[1]
         for curvature in ("ggn", "empirical_fisher"):
             fast_bnn, fast = _fit(model, x, y, "layers", curvature)
             _, ref = _fit(model, x, y, "vmap", curvature)
