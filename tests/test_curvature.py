@@ -366,13 +366,21 @@ class ConvZoo(nn.Module):
         return self.fc(torch.tanh(self.c1d(x)).flatten(1))
 
 
-@pytest.mark.parametrize("rule", ["gram", "direct", "mixed"])
+@pytest.mark.parametrize("rule", ["gram", "direct", "mixed", "kernel"])
 def test_conv_weight_rules_equal_the_loop(monkeypatch, rule):
     """Both conv weight rules (the Gram form of few positions, per-example gradients by bmm) on every kind of
     convolution equal the per-example loop, for the empirical Fisher, the GGN and several vectors per pass;
-    "mixed": the 16-position layers switch to the Gram form at the GGN's second pass (256 ≤ 2 (150 + 16))."""
-    cost = {"gram": 10**9, "direct": -10**9, "mixed": 150}[rule]
+    "mixed": the 16-position layers switch to the Gram form at the GGN's second pass (256 ≤ 2 (150 + 16));
+    "kernel": the ungrouped ones (c1, c1d) by the library's weight-gradient kernel, the batch as groups."""
+    cost = {"gram": 10**9, "direct": -10**9, "mixed": 150, "kernel": -10**9}[rule]
     monkeypatch.setattr(curvature_module, "GRAM_ROW_COST", cost)
+    if rule == "kernel":
+        monkeypatch.setattr(curvature_module, "KERNEL_MIN_POSITIONS", 1)
+        monkeypatch.setattr(curvature_module, "KERNEL_MIN_CHANNELS", 1)
+    kernel = []
+    by_kernel = curvature_module._conv_weight_grads_by_kernel
+    monkeypatch.setattr(curvature_module, "_conv_weight_grads_by_kernel",
+                        lambda mod, a, d: (kernel.append(mod), by_kernel(mod, a, d))[1])
     grams = []
     original = curvature_module._Sums.gram
     monkeypatch.setattr(curvature_module._Sums, "gram",
@@ -387,8 +395,10 @@ def test_conv_weight_rules_equal_the_loop(monkeypatch, rule):
         assert all(float(t.abs().max()) > 0 for t in fast.values())
         routes = bnn._layer_curvature.routes
         assert routes["c3d.weight"] == "module" and routes["c1d.weight"] == routes["dw.weight"] == "conv"
-    expected = set() if rule == "direct" else {"c1.weight", "dw.weight", "grp.weight", "c1d.weight"}
+    expected = set() if rule in ("direct", "kernel") else {"c1.weight", "dw.weight", "grp.weight", "c1d.weight"}
     assert set(grams) == expected
+    seen = {(type(m).__name__, m.in_channels, m.out_channels) for m in kernel}  # the wrapped model's copies
+    assert seen == ({("Conv2d", 3, 6), ("Conv1d", 2, 3)} if rule == "kernel" else set())
 
 
 def test_gram_form_in_float32():
