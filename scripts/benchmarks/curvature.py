@@ -112,6 +112,8 @@ def curvature(args, name: str, device: torch.device, bdl=None) -> dict:
     empirical Fisher; our GGN against laplace-torch's GGN (and, a different quantity, the naive loop).
     """
     img = args.curvature_img_size
+    ggn_models = [m for m in getattr(args, "curvature_ggn_models", "").split(",") if m]
+    kinds = [k for k in args.curvature_kinds if k != "ggn" or not ggn_models or name in ggn_models]
     model = make_model(name, img).to(device).eval()
     x, y = batch(name, args.curvature_examples, img, device)
     loader = [(x, y)]
@@ -121,7 +123,7 @@ def curvature(args, name: str, device: torch.device, bdl=None) -> dict:
         extra = {} if backend is None else {"curvature_backend": backend}
         suffix = backend or "default"
         for kind, label in (("empirical_fisher", "ef"), ("ggn", "ggn")):
-            if label not in args.curvature_kinds:
+            if label not in kinds or (label == "ggn" and backend == "vmap"):  # the vmap GGN: tests' reference only
                 continue
             bnn = bw.wrap(model, "laplace", num_data=NUM_DATA, prior_std=PRIOR_STD, curvature=kind,
                           subset_of_weights="all", curvature_chunk_size=args.curvature_chunk, **extra).to(device)
@@ -139,7 +141,7 @@ def curvature(args, name: str, device: torch.device, bdl=None) -> dict:
 
     lt = load_laplace_torch()
     if lt is not None:
-        lt_fits, errors = laplace_torch_runs(lt, model, x, y, args.curvature_kinds)
+        lt_fits, errors = laplace_torch_runs(lt, model, x, y, kinds)
         fns.update({k: fit for k, (_, fit) in lt_fits.items()})
     with prior_dominated_ok(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # laplace-torch/BackPACK notes on the extended modules
