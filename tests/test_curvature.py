@@ -440,3 +440,12 @@ def test_fit_runs_one_forward_per_batch(curvature):
     assert torch.allclose(fast_bnn.train_log_likelihood, ref_bnn.train_log_likelihood, rtol=1e-12)
     engine = fast_bnn._layer_curvature
     assert engine._captured is None  # consumed by the curvature pass
+
+
+@pytest.mark.parametrize("kernel,dilation,padding,stride", [
+    ((3, 3), (1, 1), (1, 1), (1, 1)), ((7, 7), (1, 1), (3, 3), (2, 2)), ((2, 3), (2, 1), (0, 2), (1, 3)),
+    ((1, 1), (1, 1), (0, 0), (2, 2))])
+def test_unfold_equals_torch(kernel, dilation, padding, stride):
+    a = torch.randn(2, 3, 9, 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(curvature_module._unfold(a, kernel, dilation, padding, stride),
+                       F.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride))

@@ -28,8 +28,19 @@ networks", for the unfolded convolution):
 * ``nn.Linear`` on (B, T, in) (tokens): g_n = Σ_t δ_{n,t} a_{n,t}ᵀ by ``bmm``,
   squared and summed in chunks of examples.
 * ``nn.Conv1d`` / ``nn.Conv2d`` (any stride, padding, padding mode, dilation,
-  groups): g_n = δ_n U_nᵀ with U_n the unfolded input patches
-  (``torch.nn.functional.unfold``), per group.
+  groups): g_n = δ_n U_nᵀ with U_n (C·kk, L) the unfolded input patches
+  (``torch.nn.functional.unfold``) at the L output positions, per group. For the
+  sums (the curvature), by whichever is cheaper:
+
+  - few positions (L² ≤ M (:data:`GRAM_ROW_COST` + L), M the vectors): the Gram
+    form Σ_{m,n} g² = Σ_n Σ_{l ≤ l'} c_{ll'} (Σ_m δ_{m,n,·,l} δ_{m,n,·,l'})ᵀ
+    (U_{n,·,l} U_{n,·,l'}) (c = 1 on the diagonal, 2 off it), one matmul with
+    inner dimension B·L(L+1)/2 and no per-example gradient; the factor of δ
+    sums over all vectors first, so the GGN's K vectors share one contraction;
+  - else per-example gradients, formed and squared in cache-sized blocks of
+    output channels (bmm of δ and U), or, for many positions and input channels,
+    by the convolution's own weight-gradient kernel with the examples as groups;
+  - one output position: the Linear rule on the input patch.
 * ``nn.LayerNorm``, ``nn.GroupNorm`` and eval-mode ``nn.BatchNorm1d/2d/3d``
   (running statistics): weight g_n = Σ_positions δ ⊙ x̂ with x̂ the normalised
   input recomputed from a; bias Σ_positions δ.
@@ -48,6 +59,10 @@ sharing a tied parameter) are summed before squaring, and parameters used
 outside their modules fall back to ``vmap`` over examples of the whole
 network restricted to those parameters. Uses are detected with a
 ``TorchFunctionMode`` during the forward pass, call counts with the hooks.
+
+:meth:`LayerCurvature.forward` runs the recorded forward pass for a caller that needs f
+anyway (``fit_curvature``'s log-likelihood), and the next curvature call on the same
+batch reuses it: one forward per batch.
 
 Requirements: examples must be independent (eval mode; no batch statistics),
 which :class:`LayerCurvature` checks for BatchNorm; :attr:`LayerCurvature.usable`
@@ -720,7 +735,24 @@ def _conv_patches(mod: nn.Module, a: torch.Tensor) -> torch.Tensor:
     if one_d:
         a = a.unsqueeze(2)
         kernel, stride, dilation, padding = (1, *kernel), (1, *stride), (1, *dilation), (0, *padding)
-    return F.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
+    return _unfold(a, kernel, dilation, padding, stride)
+
+
+def _unfold(a: torch.Tensor, kernel, dilation, padding, stride) -> torch.Tensor:
+    """``F.unfold(a, kernel, dilation, padding, stride)`` (c, C·kh·kw, L) of a (c, C, H, W), by one strided copy per
+    kernel offset (the same values, 3–7x faster than the im2col kernel on one CPU core).
+    """
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = kernel, dilation, padding, stride
+    if ph or pw:
+        a = F.pad(a, (pw, pw, ph, ph))
+    c, channels, height, width = a.shape
+    out_h = (height - dh * (kh - 1) - 1) // sh + 1
+    out_w = (width - dw * (kw - 1) - 1) // sw + 1
+    out = a.new_empty((c, channels, kh, kw, out_h, out_w))
+    for i in range(kh):
+        for j in range(kw):
+            out[:, :, i, j] = a[:, :, i * dh:i * dh + sh * (out_h - 1) + 1:sh, j * dw:j * dw + sw * (out_w - 1) + 1:sw]
+    return out.view(c, channels * kh * kw, out_h * out_w)
 
 
 def _conv_weight_grads(mod: nn.Module, a: torch.Tensor, d: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
