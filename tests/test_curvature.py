@@ -374,6 +374,7 @@ def test_conv_weight_rules_equal_the_loop(monkeypatch, rule):
     "kernel": the ungrouped ones (c1, c1d) by the library's weight-gradient kernel, the batch as groups."""
     cost = {"gram": 10**9, "direct": -10**9, "mixed": 150, "kernel": -10**9}[rule]
     monkeypatch.setattr(curvature_module, "GRAM_ROW_COST", cost)
+    monkeypatch.setattr(curvature_module, "GRAM_MEMORY_FACTOR", 10**9)
     if rule == "kernel":
         monkeypatch.setattr(curvature_module, "KERNEL_MIN_POSITIONS", 1)
         monkeypatch.setattr(curvature_module, "KERNEL_MIN_CHANNELS", 1)
@@ -449,3 +450,14 @@ def test_unfold_equals_torch(kernel, dilation, padding, stride):
     a = torch.randn(2, 3, 9, 8, generator=torch.Generator().manual_seed(0))
     assert torch.equal(curvature_module._unfold(a, kernel, dilation, padding, stride),
                        F.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride))
+
+
+def test_gram_form_memory_bound():
+    """The Gram form is refused where its factors (B·L(L+1)/2·(out + C·kk)) exceed GRAM_MEMORY_FACTOR times the
+    per-example rows of a pass, however many vectors would pay for it (a GGN with many outputs)."""
+    conv = nn.Conv2d(64, 64, 3, padding=1)
+    call = curvature_module._Call(conv, "conv", {"weight": "w"}, (torch.zeros(1),), {}, None)
+    few, many = torch.zeros(1, 32, 64, 2, 2), torch.zeros(1, 32, 64, 32, 32)  # L = 4 and L = 1024
+    assert curvature_module._gram_cheaper(call, few, 1, 32)
+    assert not curvature_module._gram_cheaper(call, many, 10**6, 32)  # cheaper, but 32·524,800·640 elements
+    assert not curvature_module._gram_cheaper(call, many, 1, 32)  # 1024² > 64 + 1024

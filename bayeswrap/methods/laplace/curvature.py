@@ -419,7 +419,7 @@ class LayerCurvature:
             call = calls[i]
             d = deltas.get(i)
             if len(uses[name]) == 1 and d is not None and attr == "weight" and hasattr(acc, "gram") and \
-                    _gram_cheaper(call, d, seen):
+                    _gram_cheaper(call, d, seen, self.chunk_size):
                 # few output positions: Σ_n g_n² from Gram matrices of δ and of the input patches, without
                 # per-example gradients (accumulated over the vector chunks, contracted once in acc.finish)
                 acc.gram(name, call, d)
@@ -483,6 +483,8 @@ class LayerCurvature:
 #: about as much as 64 multiply-adds plus the L of its bmm, so the Gram form is used where
 #: L² ≤ M · (GRAM_ROW_COST + L), M the vectors so far (the empirical Fisher: 1; the GGN: K over its passes)
 GRAM_ROW_COST = 64
+#: the Gram form's factors may take this many times the memory of the per-example gradient rows a pass holds
+GRAM_MEMORY_FACTOR = 32
 #: the per-example gradients of an ungrouped conv weight are formed this many elements at a time (8 MiB of
 #: float32, the fastest of 0.5–32 MiB on ResNet-18's layers on one core: a block stays in cache while it is squared
 #: and summed; the whole B × out × C·kk at once is memory bound)
@@ -494,17 +496,22 @@ KERNEL_MIN_POSITIONS = 256
 KERNEL_MIN_CHANNELS = 16
 
 
-def _gram_cheaper(call: _Call, d: torch.Tensor, seen: int) -> bool:
+def _gram_cheaper(call: _Call, d: torch.Tensor, seen: int, chunk_size: int) -> bool:
     """Whether a convolution's weight takes the Gram form in this pass: more than one output position (δ (m, B,
-    out, *positions)) and L² ≤ seen (GRAM_ROW_COST + L), ``seen`` the vectors of this and the earlier passes.
+    out, *positions)), L² ≤ seen (GRAM_ROW_COST + L), ``seen`` the vectors of this and the earlier passes, and
+    its factors (B·L(L+1)/2·(out + C·kk) elements) at most :data:`GRAM_MEMORY_FACTOR` times the
+    max(chunk_size, B) rows of per-example gradients that a pass of the other rule may hold.
 
     Several passes (the K vectors of the GGN in chunks) switch a layer to the Gram form once the rows already
     formed would have paid for its one contraction, so the total is within 2x of the cheaper rule's.
     """
     if call.kind != "conv" or d.dim() < 4:
         return False
-    positions = d[0, 0, 0].numel()
-    return 1 < positions and positions * positions <= seen * (GRAM_ROW_COST + positions)
+    positions, batch, weight = d[0, 0, 0].numel(), d.shape[1], call.module.weight
+    if positions < 2 or positions * positions > seen * (GRAM_ROW_COST + positions):
+        return False
+    factors = batch * positions * (positions + 1) // 2 * (weight.shape[0] + weight[0].numel() * call.module.groups)
+    return factors <= GRAM_MEMORY_FACTOR * max(chunk_size, batch) * weight.numel()
 
 
 def _theta_key(theta: Mapping[str, torch.Tensor]) -> tuple:
