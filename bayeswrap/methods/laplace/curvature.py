@@ -591,14 +591,13 @@ class _Sums:
             u = _conv_patches(module, a)  # (B, C·kk, L)
             b, ck, length = u.shape
             g, o = module.groups, total.shape[0]
-            # symmetric in (l, l'): the pairs l ≤ l', the off-diagonal ones counted twice
-            first, second = torch.triu_indices(length, length, device=u.device)
-            pairs = first.numel()
-            twice = torch.where(first == second, 1.0, 2.0).to(outer.dtype)
+            # symmetric in (l, l'): the pairs l ≤ l' (row by row, by slices: no gather), the off-diagonal ones twice
+            pairs = length * (length + 1) // 2
             y = u.reshape(b * ck, length)
-            patches = (y[:, first] * y[:, second]).reshape(b, g, ck // g, pairs)
+            patches = torch.cat([y[:, i:i + 1] * y[:, i:] for i in range(length)], 1).reshape(b, g, ck // g, pairs)
             patches = patches.permute(1, 0, 3, 2).reshape(g, b * pairs, ck // g)
-            outer = (outer[:, first, second] * twice).reshape(b, g, o // g, pairs)
+            outer = torch.cat([outer[:, i, i:] * torch.cat([outer.new_ones(1), outer.new_full((length - 1 - i,), 2.0)])
+                               for i in range(length)], 1).reshape(b, g, o // g, pairs)
             outer = outer.permute(1, 0, 3, 2).reshape(g, b * pairs, o // g)
             total += torch.bmm(outer.transpose(1, 2), patches).reshape(total.shape)
         self.grams = {}
