@@ -488,8 +488,9 @@ class CurvatureFitting:
             NotFittedError: before :meth:`fit_curvature`.
         """
         self._check_ready()
-        noise = sum(float(v.double().sum()) for v in self.posterior_var.values())
-        signal = sum(float(t.detach().double().square().sum()) for t in self.theta.values())
+        # float64 sums without float64 copies of the tensors
+        noise = sum(float(v.sum(dtype=torch.float64)) for v in self.posterior_var.values())
+        signal = sum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2 for t in self.theta.values())
         small = total = 0
         delta = self._delta()
         for n, h in self.curvature_diag.items():
