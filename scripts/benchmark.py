@@ -110,6 +110,8 @@ def parse_args(argv=None):
     p.add_argument("--curvature-repeats", type=int, default=3)
     p.add_argument("--curvature-kinds", default="ef,ggn",
                    help="bayeswrap curvatures to time: ef (empirical Fisher, has the target), ggn")
+    p.add_argument("--curvature-ggn-models", default="",
+                   help="the --curvature-models that also time the GGN (default: all); K = 100 vectors per example")
     p.add_argument("--epoch-train-size", type=int, default=1200, help="digits examples of the small-MLP epoch")
     p.add_argument("--epoch-batch-size", type=int, default=64)
     p.add_argument("--epoch-lr", type=float, default=1e-2)

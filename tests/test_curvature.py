@@ -12,6 +12,7 @@ weights, a parameter read outside its module, and a custom layer.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -304,7 +305,7 @@ def test_convolutions_with_one_output_position_take_the_linear_closed_form():
     calls = []
     original = curvature_module._conv_weight_grads
     try:
-        curvature_module._conv_weight_grads = lambda mod, a, d: (calls.append(mod), original(mod, a, d))[1]
+        curvature_module._conv_weight_grads = lambda mod, a, d, u=None: (calls.append(mod), original(mod, a, d, u))[1]
         for curvature in ("ggn", "empirical_fisher"):
             fast_bnn, fast = _fit(model, x, y, "layers", curvature)
             _, ref = _fit(model, x, y, "vmap", curvature)
@@ -341,3 +342,122 @@ def test_timm_models(arch, kw, curvatures):
         _assert_close(fast, ref, f"{arch}/{curvature}")
     routes = set(fast_bnn._layer_curvature.routes.values())
     assert "network" not in routes and routes <= {"conv", "batchnorm", "linear", "layernorm", "module"}
+
+
+# ---------------------------------------------------------------------- the two conv weight rules
+class ConvZoo(nn.Module):
+    """Every convolution the closed forms take: Conv1d/Conv2d, grouped and depthwise, stride, dilation, padding
+    (zeros, "same", reflect, circular), with and without bias, and a Conv3d (the per-module rule)."""
+
+    def __init__(self, k=3):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 6, 3, stride=2, padding=1)  # 8×8 → 4×4 (L = 16)
+        self.dw = nn.Conv2d(6, 6, 3, padding="same", padding_mode="reflect", groups=6, bias=False)  # depthwise
+        self.grp = nn.Conv2d(6, 4, 2, dilation=2, groups=2)  # 4×4 → 2×2 (L = 4)
+        self.c3d = nn.Conv3d(1, 2, (1, 2, 2))  # on (4, 2, 2) as a volume: (2, 4, 1, 1)
+        self.c1d = nn.Conv1d(2, 3, 2, stride=2, padding=1, padding_mode="circular")  # 4 → 3 (L = 3)
+        self.fc = nn.Linear(9, k)
+
+    def forward(self, x):
+        x = torch.tanh(self.c1(x))
+        x = torch.relu(self.dw(x)) + x
+        x = torch.tanh(self.grp(x))  # (B, 4, 2, 2)
+        x = torch.tanh(self.c3d(x.unsqueeze(1))).reshape(x.shape[0], 2, 4)
+        return self.fc(torch.tanh(self.c1d(x)).flatten(1))
+
+
+@pytest.mark.parametrize("rule", ["gram", "direct", "mixed", "kernel"])
+def test_conv_weight_rules_equal_the_loop(monkeypatch, rule):
+    """Both conv weight rules (the Gram form of few positions, per-example gradients by bmm) on every kind of
+    convolution equal the per-example loop, for the empirical Fisher, the GGN and several vectors per pass;
+    "mixed": the 16-position layers switch to the Gram form at the GGN's second pass (256 ≤ 2 (150 + 16));
+    "kernel": the ungrouped ones (c1, c1d) by the library's weight-gradient kernel, the batch as groups."""
+    cost = {"gram": 10**9, "direct": -10**9, "mixed": 150, "kernel": -10**9}[rule]
+    monkeypatch.setattr(curvature_module, "GRAM_ROW_COST", cost)
+    monkeypatch.setattr(curvature_module, "GRAM_MEMORY_FACTOR", 10**9)
+    if rule == "kernel":
+        monkeypatch.setattr(curvature_module, "KERNEL_MIN_POSITIONS", 1)
+        monkeypatch.setattr(curvature_module, "KERNEL_MIN_CHANNELS", 1)
+    kernel = []
+    by_kernel = curvature_module._conv_weight_grads_by_kernel
+    monkeypatch.setattr(curvature_module, "_conv_weight_grads_by_kernel",
+                        lambda mod, a, d: (kernel.append(mod), by_kernel(mod, a, d))[1])
+    grams = []
+    original = curvature_module._Sums.gram
+    monkeypatch.setattr(curvature_module._Sums, "gram",
+                        lambda self, name, call, d: (grams.append(name), original(self, name, call, d))[1])
+    torch.manual_seed(0)
+    model = ConvZoo().to(DT).eval()
+    x = torch.randn(5, 3, 8, 8, dtype=DT, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 2, 1, 1, 0])
+    for curvature, chunk in (("empirical_fisher", 4), ("ggn", 4), ("ggn", 15)):  # 15 // 5: 3 vectors per pass
+        bnn, fast = _fit(model, x, y, "layers", curvature, chunk=chunk)
+        _assert_close(fast, _loop_reference(bnn, x, y, curvature), f"{rule}/{curvature}/chunk {chunk}")
+        assert all(float(t.abs().max()) > 0 for t in fast.values())
+        routes = bnn._layer_curvature.routes
+        assert routes["c3d.weight"] == "module" and routes["c1d.weight"] == routes["dw.weight"] == "conv"
+    expected = set() if rule in ("direct", "kernel") else {"c1.weight", "dw.weight", "grp.weight", "c1d.weight"}
+    assert set(grams) == expected
+    seen = {(type(m).__name__, m.in_channels, m.out_channels) for m in kernel}  # the wrapped model's copies
+    assert seen == ({("Conv2d", 3, 6), ("Conv1d", 2, 3)} if rule == "kernel" else set())
+
+
+def test_gram_form_in_float32():
+    """The Gram form's float32 sums (cancelling products of positions) stay within 1e-6 of the float64 loop on a
+    layer shaped like a ResNet's last stage (4 positions, 64 → 64 channels)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(256, 10)).eval()
+    x = torch.randn(8, 16, 2, 2, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(2))
+    bnn, fast = _fit(model, x, y, "layers", "empirical_fisher", chunk=8)
+    assert bnn._layer_curvature.routes["2.weight"] == "conv"
+    ref_bnn = _wrap(copy.deepcopy(model).to(DT), "layers", "empirical_fisher")
+    ref = _loop_reference(ref_bnn, x.to(DT), y, "empirical_fisher")
+    _assert_close({n: t.double() for n, t in fast.items()}, ref, "float32 Gram")
+
+
+@pytest.mark.parametrize("curvature", CURVATURES)
+def test_fit_runs_one_forward_per_batch(curvature):
+    """fit_curvature's log-likelihood reuses the engine's recorded forward: one forward per batch, the same
+    log-likelihood and curvature as the vmap reference."""
+    model = _model("cnn")
+    x, y = _data("cnn")
+    calls = []
+    handle = model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        fast_bnn = _wrap(model, "layers", curvature)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            fast_bnn.fit_curvature([(x, y)], generator=torch.Generator().manual_seed(7))  # finds the in-place ReLU
+            calls.clear()
+            fast_bnn.fit_curvature([(x, y)], generator=torch.Generator().manual_seed(7))
+        assert len(calls) == 1
+        fast = {n: t * x.shape[0] for n, t in fast_bnn.curvature_diag.items()}
+        ref_bnn, ref = _fit(model, x, y, "vmap", curvature)
+    finally:
+        handle.remove()
+    _assert_close(fast, ref, f"one forward/{curvature}")
+    assert torch.allclose(fast_bnn.train_log_likelihood, ref_bnn.train_log_likelihood, rtol=1e-12)
+    engine = fast_bnn._layer_curvature
+    assert engine._captured is None  # consumed by the curvature pass
+
+
+@pytest.mark.parametrize("kernel,dilation,padding,stride", [
+    ((3, 3), (1, 1), (1, 1), (1, 1)), ((7, 7), (1, 1), (3, 3), (2, 2)), ((2, 3), (2, 1), (0, 2), (1, 3)),
+    ((1, 1), (1, 1), (0, 0), (2, 2))])
+def test_unfold_equals_torch(kernel, dilation, padding, stride):
+    a = torch.randn(2, 3, 9, 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(curvature_module._unfold(a, kernel, dilation, padding, stride),
+                       F.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride))
+
+
+def test_gram_form_memory_bound():
+    """The Gram form is refused where its factors (B·L(L+1)/2·(out + C·kk)) exceed GRAM_MEMORY_FACTOR times the
+    per-example rows of a pass, however many vectors would pay for it (a GGN with many outputs)."""
+    conv = nn.Conv2d(64, 64, 3, padding=1)
+    call = curvature_module._Call(conv, "conv", {"weight": "w"}, (torch.zeros(1),), {}, None)
+    few, many = torch.zeros(1, 32, 64, 2, 2), torch.zeros(1, 32, 64, 32, 32)  # L = 4 and L = 1024
+    assert curvature_module._gram_cheaper(call, few, 1, 32)
+    assert not curvature_module._gram_cheaper(call, many, 10**6, 32)  # cheaper, but 32·524,800·640 elements
+    assert not curvature_module._gram_cheaper(call, many, 1, 32)  # 1024² > 64 + 1024

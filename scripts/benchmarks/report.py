@@ -65,27 +65,52 @@ def markdown(result: dict) -> str:
         loops = "the naive loop and BayesDLL's `la` `Runner.estimate_variance` (its own code, driven with a " \
                 "one-batch loader)" if theirs else "the naive loop"
         backends = ", ".join(b or "default" for b in result["curvature_backends"])
-        lines += ["", "## Laplace curvature (examples/s, eval mode, one batch)", "",
+        lt_version = next((c.get("laplace_torch") for c in result["curvature"].values() if c.get("laplace_torch")),
+                          None)
+        lines += ["", "## Laplace curvature (examples/s, eval mode, one batch, all weights)", "",
                   "Like with like: bayeswrap's empirical Fisher (`curvature=\"empirical_fisher\"`) against loops of "
-                  f"one backward pass per example ({loops}). bayeswrap's GGN (exact diagonal GGN, K Jacobian rows "
-                  "per example) is a different quantity, shown with its ratio to the naive loop and no target. "
-                  f"bayeswrap curvature backends: {backends} (`bayeswrap_<ef|ggn>_<backend>`).", "",
-                  "| model | params (M) | examples | curvature | examples/s | speed-up vs naive loop | "
-                  + ("speed-up vs BayesDLL la | " if theirs else "") + "target | status |",
-                  "|---|---|---|---|---|---|" + ("---|" if theirs else "") + "---|---|"]
+                  f"one backward pass per example ({loops}) and laplace-torch's empirical Fisher; bayeswrap's exact "
+                  "diagonal GGN (`curvature=\"ggn\"`, K vectors per example) against laplace-torch's GGN, with its "
+                  "ratio to the naive loop (a different quantity) for scale. Every fit is `fit_curvature` (or "
+                  "laplace-torch's `fit`) on a one-batch loader, over all weights (`subset_of_weights=\"all\"`); "
+                  "its fixed costs (the posterior variances, the log-likelihood forward, the checks) are included. "
+                  + (f"laplace-torch {lt_version}: `Laplace(model, \"classification\", subset_of_weights=\"all\", "
+                     "hessian_structure=\"diag\", backend=...)` on a deep copy, `la.fit(loader)`; `CurvlinopsGGN` is "
+                     "its default backend; `laplace_torch_<ef|ggn>_<curvlinops|backpack>`. " if lt_version else "")
+                  + f"bayeswrap curvature backends: {backends} (`bayeswrap_<ef|ggn>_<backend>`). Speed-ups are "
+                  "ratios of examples/s by wall clock and, in brackets, by process CPU time (robust to other load).",
+                  "", "| model | params (M) | examples | curvature | examples/s | speed-up vs naive loop | "
+                  "speed-up vs laplace-torch (same curvature) | " + ("speed-up vs BayesDLL la | " if theirs else "")
+                  + "target | status |",
+                  "|---|---|---|---|---|---|---|" + ("---|" if theirs else "") + "---|---|"]
+
+        def ratio(c, key):
+            wall, cpu = c["speedup"].get(key), c.get("speedup_cpu", {}).get(key)
+            return "—" if wall is None else f"{wall:.2f}x" + ("" if cpu is None else f" ({cpu:.2f}x)")
+
         for name, c in result["curvature"].items():
             eps = c["examples_per_s"]
+            shape = "×".join(str(v) for v in c.get("input", []))
             label = name if c["img_size"] is None else f"{name} ({c['img_size']}²)"
+            label += f" [{shape}]" if shape and name != "mlp" else ""
             for k, v in eps.items():
-                vs_naive = c["speedup"].get(f"{k}/naive_loop")
-                vs_theirs = c["speedup"].get(f"{k}/bayesdll_la")
+                vs_lt = "; ".join(f"{t.rsplit('_', 1)[1]} {ratio(c, f'{k}/{t}')}" for t in eps
+                                  if t.startswith("laplace_torch_") and f"{k}/{t}" in c["speedup"]) or "—"
                 target, stat = status(find("curvature", name, f"speed-up {k}/"))
-                theirs_txt = (f"{vs_theirs:.2f}x | " if vs_theirs else "— | ") if theirs else ""
+                theirs_txt = f"{ratio(c, f'{k}/bayesdll_la')} | " if theirs else ""
                 lines.append(f"| {label} | {c['params'] / 1e6:.2f} | {c['examples']} | {k} | {v:.1f} | "
-                             f"{f'{vs_naive:.2f}x' if vs_naive else '—'} | {theirs_txt}{target} | {stat} |")
+                             f"{ratio(c, f'{k}/naive_loop')} | {vs_lt} | {theirs_txt}{target} | {stat} |")
             for k, error in c.get("errors", {}).items():
-                lines.append(f"| {label} | {c['params'] / 1e6:.2f} | {c['examples']} | {k} | failed: "
-                             f"{error.splitlines()[0][:120]} | — | " + ("— | " if theirs else "") + "— | — |")
+                lines.append(f"| {label} | {c['params'] / 1e6:.2f} | {c['examples']} | {k} | "
+                             f"{'' if error.startswith('skipped') else 'failed: '}{error.splitlines()[0][:140]} | "
+                             "— | — | " + ("— | " if theirs else "") + "— | — |")
+        agreements = [(name, k, v) for name, c in result["curvature"].items()
+                      for k, v in c.get("agreement", {}).items()]
+        if agreements:
+            lines += ["", "Same curvature as laplace-torch (largest absolute difference of the one-batch diagonal "
+                      "over laplace-torch's largest entry, float32):", "",
+                      "| model | ours / theirs | max rel. diff |", "|---|---|---|"]
+            lines += [f"| {name} | {k} | {v:.1e} |" for name, k, v in agreements]
     if result.get("mlp_epoch"):
         e = result["mlp_epoch"]
         ours_theirs = e.get("ours_over_theirs", {})

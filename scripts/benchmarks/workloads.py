@@ -46,14 +46,17 @@ def timm_model(name: str, num_classes: int, img_size: int) -> torch.nn.Module:
 
 
 def make_model(name: str, img_size: int) -> torch.nn.Module:
-    """A freshly initialised model: ``"mlp"`` (:func:`digits_mlp`) or a timm model with 100 classes.
+    """A freshly initialised model: ``"mlp"`` (:func:`digits_mlp`), ``"cnn"`` (:func:`small_cnn`) or a timm model
+    with 100 classes.
 
     Args:
-        name: ``"mlp"`` or a timm model name.
-        img_size: input side (ViTs are built for it; ignored by the MLP).
+        name: ``"mlp"``, ``"cnn"`` or a timm model name.
+        img_size: input side (ViTs are built for it; ignored by the MLP and the CNN, which takes 32×32).
     """
     if name == "mlp":
         return digits_mlp()
+    if name == "cnn":
+        return small_cnn()
     return timm_model(name, NUM_CLASSES, img_size)
 
 
@@ -75,11 +78,16 @@ def classifier_name(model: torch.nn.Module) -> str:
 
 
 def batch(name: str, batch_size: int, img_size: int, device: torch.device):
-    """A fixed random batch: images (B, 3, H, W) with 100 classes, or digits-shaped (B, 64) with 10."""
+    """A fixed random batch: images (B, 3, H, W) with 100 classes, digits-shaped (B, 64) with 10, or for ``"cnn"``
+    images (B, 3, 32, 32) with :data:`LAPLACE_CLASSES`.
+    """
     g = torch.Generator().manual_seed(0)
     if name == "mlp":
         x = torch.randn(batch_size, 64, generator=g)
         y = torch.randint(0, DIGITS_CLASSES, (batch_size,), generator=g)
+    elif name == "cnn":
+        x = torch.randn(batch_size, 3, 32, 32, generator=g)
+        y = torch.randint(0, LAPLACE_CLASSES, (batch_size,), generator=g)
     else:
         x = torch.randn(batch_size, 3, img_size, img_size, generator=g)
         y = torch.randint(0, NUM_CLASSES, (batch_size,), generator=g)

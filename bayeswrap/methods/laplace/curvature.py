@@ -28,8 +28,19 @@ networks", for the unfolded convolution):
 * ``nn.Linear`` on (B, T, in) (tokens): g_n = Σ_t δ_{n,t} a_{n,t}ᵀ by ``bmm``,
   squared and summed in chunks of examples.
 * ``nn.Conv1d`` / ``nn.Conv2d`` (any stride, padding, padding mode, dilation,
-  groups): g_n = δ_n U_nᵀ with U_n the unfolded input patches
-  (``torch.nn.functional.unfold``), per group.
+  groups): g_n = δ_n U_nᵀ with U_n (C·kk, L) the unfolded input patches
+  (``torch.nn.functional.unfold``) at the L output positions, per group. For the
+  sums (the curvature), by whichever is cheaper:
+
+  - few positions (L² ≤ M (:data:`GRAM_ROW_COST` + L), M the vectors): the Gram
+    form Σ_{m,n} g² = Σ_n Σ_{l ≤ l'} c_{ll'} (Σ_m δ_{m,n,·,l} δ_{m,n,·,l'})ᵀ
+    (U_{n,·,l} U_{n,·,l'}) (c = 1 on the diagonal, 2 off it), one matmul with
+    inner dimension B·L(L+1)/2 and no per-example gradient; the factor of δ
+    sums over all vectors first, so the GGN's K vectors share one contraction;
+  - else per-example gradients, formed and squared in cache-sized blocks of
+    output channels (bmm of δ and U), or, for many positions and input channels,
+    by the convolution's own weight-gradient kernel with the examples as groups;
+  - one output position: the Linear rule on the input patch.
 * ``nn.LayerNorm``, ``nn.GroupNorm`` and eval-mode ``nn.BatchNorm1d/2d/3d``
   (running statistics): weight g_n = Σ_positions δ ⊙ x̂ with x̂ the normalised
   input recomputed from a; bias Σ_positions δ.
@@ -48,6 +59,10 @@ sharing a tied parameter) are summed before squaring, and parameters used
 outside their modules fall back to ``vmap`` over examples of the whole
 network restricted to those parameters. Uses are detected with a
 ``TorchFunctionMode`` during the forward pass, call counts with the hooks.
+
+:meth:`LayerCurvature.forward` runs the recorded forward pass for a caller that needs f
+anyway (``fit_curvature``'s log-likelihood), and the next curvature call on the same
+batch reuses it: one forward per batch.
 
 Requirements: examples must be independent (eval mode; no batch statistics),
 which :class:`LayerCurvature` checks for BatchNorm; :attr:`LayerCurvature.usable`
@@ -129,6 +144,7 @@ class _Call:
     kwargs: dict
     output: object
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # the module's tensors (detached), by local name
+    patches: torch.Tensor | None = None  # a conv's unfolded input (B, C·kk, L), kept from a run's second pass on
     versions: list = field(default_factory=list)
 
     @property
@@ -196,6 +212,7 @@ class LayerCurvature:
         self.verified = {m for m, k in self.kinds.items() if k == "module" or _standard_forward(m, k)}
         self.copy_outputs = False
         self.routes: dict[str, str] = {}
+        self._captured: tuple | None = None  # (x, theta, key, capture) of :meth:`forward`, until the next call
 
     @property
     def usable(self) -> bool:
@@ -319,7 +336,26 @@ class LayerCurvature:
         f = self._run(forward, theta, x, vectors, acc)
         return f, torch.cat(acc.rows, 0)
 
-    def _run(self, forward, theta, x, vectors, acc) -> torch.Tensor:
+    def forward(self, forward: Callable, theta: Mapping[str, torch.Tensor], x) -> torch.Tensor:
+        """The batched outputs, from the forward pass that the next :meth:`squared_grad_sums` (or
+        :meth:`weighted_row_norms`) on the same ``x`` and ``theta`` then reuses instead of running its own.
+
+        Lets a caller that needs f anyway (the log-likelihood of ``fit_curvature``) pay for one forward pass per
+        batch. The recorded pass (its graph and layer inputs) is held until that next call, which consumes it;
+        it is reused only for the same ``x`` object and the same parameter storage and versions.
+
+        Returns:
+            f (B, *out), detached.
+
+        Raises:
+            ValueError: if :attr:`usable` is False.
+        """
+        self._captured = None
+        theta, capture = self._forward(forward, theta, x)
+        self._captured = (x, theta, _theta_key(theta), capture)
+        return capture[0].detach()
+
+    def _forward(self, forward, theta, x):
         if not self.usable:
             raise ValueError("the model couples the examples of a batch (BatchNorm in training mode or without "
                              "running statistics): per-layer per-example gradients are undefined; use the vmap "
@@ -330,6 +366,14 @@ class LayerCurvature:
             if changed and not self.copy_outputs:  # an in-place op overwrote a recorded tensor: copy them
                 self.copy_outputs = True
                 f, calls, outside, changed = self._capture(forward, theta, x)
+        return theta, (f, calls, outside)
+
+    def _run(self, forward, theta, x, vectors, acc) -> torch.Tensor:
+        captured, self._captured = self._captured, None
+        if captured is not None and captured[0] is x and captured[2] == _theta_key(theta):
+            theta, (f, calls, outside) = captured[1], captured[3]
+        else:
+            theta, (f, calls, outside) = self._forward(forward, theta, x)
         batch = f.shape[0]
         for call in calls:  # subclasses of known layers: their function must be the standard one
             if call.module not in self.verified:
@@ -354,21 +398,41 @@ class LayerCurvature:
         targets = [i for i in needed if isinstance(calls[i].output, torch.Tensor) and calls[i].output.requires_grad]
         per_call = max(1, self.chunk_size // batch)
         network_names = [n for n in self.names if n in network]
+        seen = 0  # vectors so far, this pass's included
         for v in vectors(f.detach(), per_call):
+            seen += v.shape[0]
             acc.start(v.shape[0], batch, f)
             deltas = dict(zip(targets, _backward(f, [calls[i].output for i in targets], v)))
-            self._contract(calls, uses, layer_names, deltas, acc, v.shape[0], batch)
+            self._contract(calls, uses, layer_names, deltas, acc, v.shape[0], batch, seen)
             if network_names:
                 _network_grads(forward, theta, network_names, x, v, max(1, self.chunk_size // v.shape[0]), acc)
+        acc.finish()
         return f.detach()
 
-    def _contract(self, calls, uses, layer_names, deltas, acc, m: int, batch: int) -> None:
-        """Adds the per-layer names' per-row gradients, from the recorded inputs and δ = deltas[call], to acc."""
+    def _contract(self, calls, uses, layer_names, deltas, acc, m: int, batch: int, seen: int) -> None:
+        """Adds the per-layer names' per-row gradients, from the recorded inputs and δ = deltas[call], to acc
+        (``seen``: the vectors of this and the earlier passes, which the Gram form's one contraction serves).
+        """
         chunked, patches = [], {}
         for name in layer_names:
             (i, attr), = uses[name][:1]
             call = calls[i]
             d = deltas.get(i)
+            if len(uses[name]) == 1 and d is not None and attr == "weight" and hasattr(acc, "gram") and \
+                    _gram_cheaper(call, d, seen, self.chunk_size):
+                # few output positions: Σ_n g_n² from Gram matrices of δ and of the input patches, without
+                # per-example gradients (accumulated over the vector chunks, contracted once in acc.finish)
+                acc.gram(name, call, d)
+                continue
+            if len(uses[name]) == 1 and d is not None and attr == "weight" and hasattr(acc, "conv_blocks") and \
+                    call.kind == "conv" and call.module.groups == 1 and d.dim() > 3:
+                if call.patches is None and seen > m:  # kept for the later passes (the GGN's vector chunks)
+                    call.patches = _conv_patches(call.module, call.input)
+                acc.conv_blocks(name, call, d, max(1, self.chunk_size // m))
+                continue
+            if len(uses[name]) == 1 and d is not None and call.kind == "conv" and attr == "bias":
+                acc.rows_of(name, d.flatten(3).sum(3), slice(None), True)  # (m, B, out): Σ over positions
+                continue
             if len(uses[name]) == 1 and d is not None and _one_position_conv(call, d):
                 # a convolution with one output position is a Linear on its input patch: the closed form, without
                 # per-example gradients (e.g. the last stage of a ResNet on small images)
@@ -403,7 +467,7 @@ class LayerCurvature:
                 for i, attr in uses[name]:
                     if i not in cache:
                         d = deltas.get(i)
-                        cache[i] = {} if d is None else _per_row_grads(calls[i], d, sl)
+                        cache[i] = {} if d is None else _per_row_grads(calls[i], d, sl, keep_patches=seen > m)
                     part = cache[i].get(attr)
                     if part is not None:  # fresh buffers: sums of parts, and the bmm results of Linear and Conv
                         g, owned = (part, calls[i].kind in ("linear", "conv")) if g is None else (g + part, True)
@@ -412,6 +476,47 @@ class LayerCurvature:
                         del cache[i]
                 if g is not None:
                     acc.rows_of(name, g, sl, owned)
+
+
+#: the Gram form replaces a per-example gradient row (one bmm output element, written, squared and summed: memory
+#: bound) by L² multiply-adds of one large matmul run once for all vectors; measured on one CPU core, a row costs
+#: about as much as 64 multiply-adds plus the L of its bmm, so the Gram form is used where
+#: L² ≤ M · (GRAM_ROW_COST + L), M the vectors so far (the empirical Fisher: 1; the GGN: K over its passes)
+GRAM_ROW_COST = 64
+#: the Gram form's factors may take this many times the memory of the per-example gradient rows a pass holds
+GRAM_MEMORY_FACTOR = 32
+#: the per-example gradients of an ungrouped conv weight are formed this many elements at a time (8 MiB of
+#: float32, the fastest of 0.5–32 MiB on ResNet-18's layers on one core: a block stays in cache while it is squared
+#: and summed; the whole B × out × C·kk at once is memory bound)
+BLOCK_ELEMENTS = 2**21
+#: from this many output positions and input channels on, the per-example gradients of an ungrouped conv weight
+#: come from the library's weight-gradient kernel (the batch as groups) instead of unfold and bmm: 2–3x faster on
+#: one CPU core for 16–64 channels at 256 positions, slower for fewer positions or channels
+KERNEL_MIN_POSITIONS = 256
+KERNEL_MIN_CHANNELS = 16
+
+
+def _gram_cheaper(call: _Call, d: torch.Tensor, seen: int, chunk_size: int) -> bool:
+    """Whether a convolution's weight takes the Gram form in this pass: more than one output position (δ (m, B,
+    out, *positions)), L² ≤ seen (GRAM_ROW_COST + L), ``seen`` the vectors of this and the earlier passes, and
+    its factors (B·L(L+1)/2·(out + C·kk) elements) at most :data:`GRAM_MEMORY_FACTOR` times the
+    max(chunk_size, B) rows of per-example gradients that a pass of the other rule may hold.
+
+    Several passes (the K vectors of the GGN in chunks) switch a layer to the Gram form once the rows already
+    formed would have paid for its one contraction, so the total is within 2x of the cheaper rule's.
+    """
+    if call.kind != "conv" or d.dim() < 4:
+        return False
+    positions, batch, weight = d[0, 0, 0].numel(), d.shape[1], call.module.weight
+    if positions < 2 or positions * positions > seen * (GRAM_ROW_COST + positions):
+        return False
+    factors = batch * positions * (positions + 1) // 2 * (weight.shape[0] + weight[0].numel() * call.module.groups)
+    return factors <= GRAM_MEMORY_FACTOR * max(chunk_size, batch) * weight.numel()
+
+
+def _theta_key(theta: Mapping[str, torch.Tensor]) -> tuple:
+    """What identifies a parameter point without comparing values: names, storage, shape and version."""
+    return tuple((n, t.data_ptr(), tuple(t.shape), t._version) for n, t in theta.items())
 
 
 def _one_position_conv(call: _Call, d: torch.Tensor) -> bool:
@@ -433,9 +538,69 @@ class _Sums:
 
     def __init__(self, theta):
         self.total = {n: torch.zeros_like(t) for n, t in theta.items()}
+        self.grams: dict[str, list] = {}  # name -> [module, input, Σ_m δδᵀ (B·out, L, L)]
 
     def start(self, m, batch, f):
         """Per-batch set-up of the accumulator protocol: the sums need none (:class:`_RowNorms` keeps rows)."""
+
+    def gram(self, name, call, d):
+        """Adds Σ_m δ_{m,n,o} δ_{m,n,o}ᵀ (L × L over the output positions) of a conv weight's vectors.
+
+        With g_{m,n,o,i} = Σ_l δ_{m,n,o,l} U_{n,i,l} (U the unfolded input patches),
+        Σ_{m,n} g² = Σ_n Σ_{l,l'} (Σ_m δ_{m,n,o,l} δ_{m,n,o,l'}) U_{n,i,l} U_{n,i,l'}: the sum over the vectors
+        folds into the first factor, so the contraction with the patches runs once (:meth:`finish`).
+        """
+        m, b, o = d.shape[:3]
+        x = d.reshape(m, b * o, -1).permute(1, 2, 0)  # (B·out, L, m)
+        outer = torch.bmm(x, x.transpose(1, 2))  # (B·out, L, L)
+        entry = self.grams.get(name)
+        if entry is None:
+            self.grams[name] = [call.module, call.input, outer]
+        else:
+            entry[2] += outer
+
+    def conv_blocks(self, name, call, d, rows):
+        """Adds Σ g² of an ungrouped conv weight from per-example gradients formed a block of output channels at a
+        time, each block (B·m·out_block·C·kk ≤ :data:`BLOCK_ELEMENTS`) squared and summed while it is in cache,
+        for ``rows`` examples at a time (δ (m, B, out, *positions)).
+        """
+        m, b, o = d.shape[:3]
+        total = self.total[name].view(o, -1)  # (out, C·kk)
+        if d[0, 0, 0].numel() >= KERNEL_MIN_POSITIONS and call.input.shape[1] >= KERNEL_MIN_CHANNELS:
+            for start in range(0, b, rows):
+                sl = slice(start, min(start + rows, b))
+                g = _conv_weight_grads_by_kernel(call.module, call.input[sl], d[:, sl])  # (c·m·out, C, *kernel)
+                total += g.view(-1, *total.shape).square_().sum(0)
+            return
+        d = d.flatten(3).transpose(0, 1)  # (B, m, out, L)
+        for start in range(0, b, rows):
+            sl = slice(start, min(start + rows, b))
+            u = _conv_patches(call.module, call.input[sl]) if call.patches is None else call.patches[sl]
+            ut = u.transpose(1, 2)  # (c, L, C·kk)
+            c = ut.shape[0]
+            block = max(1, BLOCK_ELEMENTS // (c * m * ut.shape[2]))
+            for o0 in range(0, o, block):
+                dd = d[sl, :, o0:o0 + block]  # (c, m, ob, L)
+                g = torch.bmm(dd.reshape(c, -1, dd.shape[-1]), ut)  # (c, m·ob, C·kk)
+                total[o0:o0 + block] += g.square_().sum(0).view(m, -1, g.shape[-1]).sum(0)
+
+    def finish(self):
+        """Contracts the Gram factors of :meth:`gram` with the input patches' (one matmul per group)."""
+        for name, (module, a, outer) in self.grams.items():
+            total = self.total[name]
+            u = _conv_patches(module, a)  # (B, C·kk, L)
+            b, ck, length = u.shape
+            g, o = module.groups, total.shape[0]
+            # symmetric in (l, l'): the pairs l ≤ l' (row by row, by slices: no gather), the off-diagonal ones twice
+            pairs = length * (length + 1) // 2
+            y = u.reshape(b * ck, length)
+            patches = torch.cat([y[:, i:i + 1] * y[:, i:] for i in range(length)], 1).reshape(b, g, ck // g, pairs)
+            patches = patches.permute(1, 0, 3, 2).reshape(g, b * pairs, ck // g)
+            outer = torch.cat([outer[:, i, i:] * torch.cat([outer.new_ones(1), outer.new_full((length - 1 - i,), 2.0)])
+                               for i in range(length)], 1).reshape(b, g, o // g, pairs)
+            outer = outer.permute(1, 0, 3, 2).reshape(g, b * pairs, o // g)
+            total += torch.bmm(outer.transpose(1, 2), patches).reshape(total.shape)
+        self.grams = {}
 
     def rows_of(self, name, g, sl, owned=False):  # g: (m, c, *shape)
         self.total[name] += _squared(g, owned).sum((0, 1))
@@ -456,6 +621,9 @@ class _RowNorms:
 
     def start(self, m, batch, f):
         self.rows.append(torch.zeros(m, batch, dtype=f.dtype, device=f.device))
+
+    def finish(self):
+        """Nothing to contract at the end: every row is complete after its pass."""
 
     def rows_of(self, name, g, sl, owned=False):
         self.rows[-1][:, sl] += (_squared(g, owned) * self.weights[name]).flatten(2).sum(2)
@@ -512,7 +680,8 @@ def _normalised(call: _Call) -> tuple[torch.Tensor, tuple[int, ...]]:
     return xhat, tuple(range(3, a.dim() + 1))  # δ is (m, B, C, ...)
 
 
-def _per_row_grads(call: _Call, d: torch.Tensor, sl: slice, attrs=None) -> dict[str, torch.Tensor]:
+def _per_row_grads(call: _Call, d: torch.Tensor, sl: slice, attrs=None,
+                   keep_patches: bool = False) -> dict[str, torch.Tensor]:
     """Per-(vector, example) gradients of a call's own Bayesian parameters, ``{attr: (m, c, *shape)}``.
 
     Args:
@@ -520,6 +689,8 @@ def _per_row_grads(call: _Call, d: torch.Tensor, sl: slice, attrs=None) -> dict[
         d: δ for all vectors and examples, (m, B, *output_shape).
         sl: the examples (a slice of the batch).
         attrs: the attributes wanted (default: all of the call's Bayesian ones).
+        keep_patches: keep a conv's unfolded input on the call for the later passes (the GGN's vector chunks)
+            instead of unfolding it again each pass.
     """
     attrs = tuple(call.attrs) if attrs is None else attrs
     d = d[:, sl]
@@ -541,7 +712,10 @@ def _per_row_grads(call: _Call, d: torch.Tensor, sl: slice, attrs=None) -> dict[
     if kind == "conv":
         mod = call.module
         if "weight" in attrs:
-            out["weight"] = _conv_weight_grads(mod, call.input[sl], d)
+            if call.patches is None and keep_patches:
+                call.patches = _conv_patches(mod, call.input)
+            u = None if call.patches is None else call.patches[sl]
+            out["weight"] = _conv_weight_grads(mod, call.input[sl], d, u)
         if "bias" in attrs:
             out["bias"] = d.flatten(3).sum(3)
         return out
@@ -567,20 +741,59 @@ def _conv_patches(mod: nn.Module, a: torch.Tensor) -> torch.Tensor:
     if one_d:
         a = a.unsqueeze(2)
         kernel, stride, dilation, padding = (1, *kernel), (1, *stride), (1, *dilation), (0, *padding)
-    return F.unfold(a, kernel, dilation=dilation, padding=padding, stride=stride)
+    return _unfold(a, kernel, dilation, padding, stride)
 
 
-def _conv_weight_grads(mod: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """Per-row conv weight gradients (m, c, out, in/groups, *kernel) from inputs a (c, C, ...) and δ (m, c, out, ...)."""
+def _unfold(a: torch.Tensor, kernel, dilation, padding, stride) -> torch.Tensor:
+    """``F.unfold(a, kernel, dilation, padding, stride)`` (c, C·kh·kw, L) of a (c, C, H, W), by one strided copy per
+    kernel offset (the same values, 3–7x faster than the im2col kernel on one CPU core).
+    """
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = kernel, dilation, padding, stride
+    if ph or pw:
+        a = F.pad(a, (pw, pw, ph, ph))
+    c, channels, height, width = a.shape
+    out_h = (height - dh * (kh - 1) - 1) // sh + 1
+    out_w = (width - dw * (kw - 1) - 1) // sw + 1
+    out = a.new_empty((c, channels, kh, kw, out_h, out_w))
+    for i in range(kh):
+        for j in range(kw):
+            out[:, :, i, j] = a[:, :, i * dh:i * dh + sh * (out_h - 1) + 1:sh, j * dw:j * dw + sw * (out_w - 1) + 1:sw]
+    return out.view(c, channels * kh * kw, out_h * out_w)
+
+
+def _conv_weight_grads(mod: nn.Module, a: torch.Tensor, d: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row conv weight gradients (m, c, out, in/groups, *kernel) from inputs a (c, C, ...) (or their unfolded
+    patches u (c, C·kk, L)) and δ (m, c, out, ...).
+    """
     m, c, o = d.shape[:3]
     g = mod.groups
-    u = _conv_patches(mod, a)  # (c, C·kk, L)
+    u = _conv_patches(mod, a) if u is None else u  # (c, C·kk, L)
     length = u.shape[-1]
     u = u.reshape(c * g, -1, length)  # (c·g, C/g·kk, L)
     dd = d.reshape(m, c, g, o // g, length).permute(1, 2, 0, 3, 4).reshape(c * g, m * (o // g), length)
     w = torch.bmm(dd, u.transpose(1, 2))  # (c·g, m·o/g, C/g·kk)
     w = w.reshape(c, g, m, o // g, -1).permute(2, 0, 1, 3, 4).reshape(m, c, *mod.weight.shape)
     return w
+
+
+def _conv_weight_grads_by_kernel(mod: nn.Module, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Per-row weight gradients of an ungrouped conv, (c·m·out, C, *kernel) in (example, vector, out) order, by one
+    call of the convolution's weight-gradient kernel with the c examples as c groups of m·out outputs
+    (inputs a (c, C, ...), δ (m, c, out, ...)).
+    """
+    m, c, o = d.shape[:3]
+    kernel, stride, dilation = mod.kernel_size, mod.stride, mod.dilation
+    if mod.padding_mode != "zeros" or isinstance(mod.padding, str):
+        mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
+        a = F.pad(a, mod._reversed_padding_repeated_twice, mode=mode)
+        padding = (0,) * len(kernel)
+    else:
+        padding = mod.padding
+    x = a.reshape(1, -1, *a.shape[2:])  # (1, c·C, ...)
+    grad_out = d.transpose(0, 1).reshape(1, c * m * o, *d.shape[3:])
+    weight = a.new_empty((c * m * o, a.shape[1], *kernel))  # read for its shape only (no input gradient)
+    return torch.ops.aten.convolution_backward(grad_out, x, weight, None, stride, padding, dilation, False,
+                                               (0,) * len(kernel), c, (False, True, False))[1]
 
 
 # ---------------------------------------------------------------------- fallbacks

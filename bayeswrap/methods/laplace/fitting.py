@@ -270,7 +270,9 @@ class CurvatureFitting:
                                        self.likelihood.name == "categorical")
                     # the batch's peak estimated before its work: the chunk sized to memory_budget, or refused
                     self.curvature_chunk_size = plan_chunk(self, x, "fit", budget_plan)
-                    out = self.forward_with(theta, x)
+                    # the per-layer engine's recorded forward serves the log-likelihood too (one forward per batch)
+                    engine = self._layer_engine() if structure is None else None
+                    out = self.forward_with(theta, x) if engine is None else engine.forward(self.forward_with, theta, x)
                     self.likelihood.check_targets(out, y)
                     batch_log_lik = -example_nll(self.likelihood, out, y).double().sum()
                     if not bool(torch.isfinite(batch_log_lik)):  # one sync per batch (check_targets syncs anyway)
@@ -509,8 +511,9 @@ class CurvatureFitting:
             NotFittedError: before :meth:`fit_curvature`.
         """
         self._check_ready()
-        noise = sum(float(v.double().sum()) for v in self.posterior_var.values())
-        signal = sum(float(t.detach().double().square().sum()) for t in self.theta.values())
+        # float64 sums without float64 copies of the tensors
+        noise = sum(float(v.sum(dtype=torch.float64)) for v in self.posterior_var.values())
+        signal = sum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2 for t in self.theta.values())
         small = total = 0
         delta = self._delta()
         for n, h in self.curvature_diag.items():

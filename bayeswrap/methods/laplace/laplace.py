@@ -556,6 +556,9 @@ class Laplace(CurvatureFitting, LinearisedPredictive, PriorPrecisionSearch, MAP)
         with torch.no_grad():
             for n, h in self.curvature_diag.items():
                 precision = h + (delta_of(delta, n) if self.prior.applies_to(n) else 0.0)
+                if precision.numel() and bool(precision.amin() > 0):  # the usual case: one pass, in place
+                    self.posterior_var[n] = precision.reciprocal_()
+                    continue
                 degenerate |= bool((precision == 0).any())
                 # a parameter with neither prior nor data curvature stays at θ* (zero variance)
                 self.posterior_var[n] = torch.where(precision > 0, 1.0 / precision, torch.zeros_like(precision))
