@@ -135,8 +135,48 @@ def main(argv=None) -> dict:
             result[f"subnet_{score}"] = _subnet_part(model, loader, args.train, test_x, score, args, lt)
             print(json.dumps(result[f"subnet_{score}"]), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        out = Path(args.out)
+        out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        command = "OMP_NUM_THREADS=1 .venv/bin/python -m scripts.benchmarks.lowrank " + " ".join(
+            a for a in (argv if argv is not None else sys.argv[1:]))
+        out.with_suffix(".md").write_text(markdown(result, command), encoding="utf-8")
     return result
+
+
+def markdown(result: dict, command: str) -> str:
+    """The results as a Markdown page: the regenerate command, the setting, one row per fit."""
+    lines = [f"Regenerate: `{command}` (``--asdfghjkl-path``: a directory holding asdfghjkl 0.1a2, its PyPI wheel "
+             "unzipped, which laplace-torch 0.3's `LowRankLaplace` imports; without it only bayeswrap's low-rank fit is "
+             "timed)", "",
+             "# Low-rank and subnetwork Laplace against laplace-torch (CPU)", "",
+             f"{result['model']} ({result['params']:,} parameters), {result['train']} digits in batches of "
+             f"{result['batch_size']}, {result['threads']} thread(s), medians of {result['repeats']} interleaved "
+             f"rounds; laplace-torch {result['laplace_torch']}; bayeswrap at {result['source']['commit']}. "
+             "Times include the choice of the subnetwork on both sides.", "",
+             "| fit | bayeswrap (s, CPU s) | laplace-torch (s, CPU s) | CPU-time ratio | agreement |",
+             "|---|---|---|---|---|"]
+    for key, label in (("lowrank", "low rank"), ("subnet_largest_magnitude", "subnetwork, largest magnitude"),
+                       ("subnet_largest_variance", "subnetwork, largest variance")):
+        row = result.get(key)
+        if not row:
+            continue
+        ours, theirs = row["seconds"], row["cpu_seconds"]
+        t_lt = ("—" if ours.get("laplace_torch") is None
+                else f"{ours['laplace_torch']:.2f}, {theirs['laplace_torch']:.2f}")
+        ratio = ("—" if theirs.get("laplace_torch") is None
+                 else f"{theirs['bayeswrap'] / theirs['laplace_torch']:.2f}x")
+        if key == "lowrank":
+            label = f"low rank, k = {row['rank']} ({row['power_iterations']} power iterations)"
+            agree = ("different matrices (bayeswrap: the GGN; laplace-torch: the Hessian by asdfghjkl): "
+                     f"top eigenvalues {row['eigenvalues_bayeswrap_ggn'][:3]} against "
+                     f"{row.get('eigenvalues_laplace_torch_hessian', [])[:3]}")
+        else:
+            label = f"{label}, n = {row['n_params_subnet']}"
+            agree = (f"indices equal: {row['indices_equal']}; probit max abs diff {row['probit_max_abs_diff']:.1e} "
+                     f"(vs MAP {row['probit_vs_map_max_abs_diff']:.1e}); log evidence {row['lml_bayeswrap']:.5f} "
+                     f"vs {row['lml_laplace_torch']:.5f}")
+        lines.append(f"| {label} | {ours['bayeswrap']:.2f}, {theirs['bayeswrap']:.2f} | {t_lt} | {ratio} | {agree} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
