@@ -514,7 +514,8 @@ def _gram_cheaper(call: _Call, d: torch.Tensor, seen: int, chunk_size: int) -> b
 
 def _gram_fits(positions: int, batch: int, out: int, patch: int, weight: int, seen: int, chunk_size: int) -> bool:
     """:func:`_gram_cheaper` on sizes: L positions, B examples, ``out`` channels, C·kk ``patch`` entries (all
-    groups), ``weight`` entries."""
+    groups), ``weight`` entries.
+    """
     if positions < 2 or positions * positions > seen * (GRAM_ROW_COST + positions):
         return False
     factors = batch * positions * (positions + 1) // 2 * (out + patch)
@@ -560,7 +561,8 @@ def conv_weight_route(positions: int, batch: int, out: int, patch: int, groups: 
 
 def conv_block_channels(rows: int, vectors: int, patch: int) -> int:
     """Output channels per block of the ``"blocks"`` rule, for ``rows`` examples, ``vectors`` per pass and C·kk
-    ``patch`` entries."""
+    ``patch`` entries.
+    """
     return max(1, BLOCK_ELEMENTS // (rows * vectors * patch))
 
 

@@ -13,7 +13,12 @@ phases that run one after the other, the larger):
   vectors);
 * the per-layer engine (``"layers"``, the default): the batch's autograd graph B × a₁ (a₁ the probe's saved bytes
   per example), the m·B rows of output vectors pulled back to every layer (m = min(M, max(1, c // B)) vectors per
-  backward pass, M = K for the GGN), and per-example weight gradients of convolutions and token layers, c × |W| × s;
+  backward pass, M = K for the GGN), per-example weight gradients of token layers, c × |W| × s, and the
+  convolutions' work by the route :func:`~bayeswrap.methods.laplace.curvature.conv_weight_route` gives each weight
+  in each pass (:func:`_conv_work`): every layer's unfolded patches B × C·kk × L × s kept from the second pass on,
+  per-example gradients in blocks of output channels, the weight-gradient kernel's c × m × |W| (its internal
+  scratch is not counted), or the Gram form's B × out × L² factors and, after the last pass, their contraction
+  with the patches' pairs, 2 × B × C·kk × L(L+1)/2;
 * Kronecker factors: Σ_l (in_l² + out_l²) × s stored, and their eigendecompositions;
 * the dense matrix of ``"full"``: P² × s stored, and its eigendecomposition in float64 (a float64 copy and the
   eigenvectors: 2 × 8 P² more; :func:`~bayeswrap.methods.laplace.structures.psd_eigh`);
