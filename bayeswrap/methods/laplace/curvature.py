@@ -507,11 +507,63 @@ def _gram_cheaper(call: _Call, d: torch.Tensor, seen: int, chunk_size: int) -> b
     """
     if call.kind != "conv" or d.dim() < 4:
         return False
-    positions, batch, weight = d[0, 0, 0].numel(), d.shape[1], call.module.weight
+    weight = call.module.weight
+    return _gram_fits(d[0, 0, 0].numel(), d.shape[1], weight.shape[0], weight[0].numel() * call.module.groups,
+                      weight.numel(), seen, chunk_size)
+
+
+def _gram_fits(positions: int, batch: int, out: int, patch: int, weight: int, seen: int, chunk_size: int) -> bool:
+    """:func:`_gram_cheaper` on sizes: L positions, B examples, ``out`` channels, C·kk ``patch`` entries (all
+    groups), ``weight`` entries.
+    """
     if positions < 2 or positions * positions > seen * (GRAM_ROW_COST + positions):
         return False
-    factors = batch * positions * (positions + 1) // 2 * (weight.shape[0] + weight[0].numel() * call.module.groups)
-    return factors <= GRAM_MEMORY_FACTOR * max(chunk_size, batch) * weight.numel()
+    factors = batch * positions * (positions + 1) // 2 * (out + patch)
+    return factors <= GRAM_MEMORY_FACTOR * max(chunk_size, batch) * weight
+
+
+def _by_kernel(positions: int, in_channels: int) -> bool:
+    """Whether an ungrouped conv weight's per-example gradients come from the weight-gradient kernel."""
+    return positions >= KERNEL_MIN_POSITIONS and in_channels >= KERNEL_MIN_CHANNELS
+
+
+def conv_weight_route(positions: int, batch: int, out: int, patch: int, groups: int, in_channels: int, weight: int,
+                      seen: int, chunk_size: int, sums: bool = True) -> str:
+    """The rule :class:`LayerCurvature` takes for a (once-called) conv weight in one backward pass, from sizes only
+    (the memory estimates of :mod:`bayeswrap.methods.laplace.memory` read it; the same tests as ``_contract``).
+
+    Args:
+        positions: L, output positions per example.
+        batch: B.
+        out: output channels.
+        patch: C·kk, the unfolded patch of all groups.
+        groups: the conv's groups.
+        in_channels: C.
+        weight: the weight's entries.
+        seen: the vectors of this and the earlier passes.
+        chunk_size: ``LayerCurvature.chunk_size``.
+        sums: :meth:`LayerCurvature.squared_grad_sums` (True) or :meth:`LayerCurvature.weighted_row_norms`.
+
+    Returns:
+        ``"gram"`` (Gram factors accumulated, contracted at the end), ``"kernel"`` (the weight-gradient kernel with
+        the examples as groups), ``"blocks"`` (per-example gradients in blocks of :func:`conv_block_channels`
+        output channels), ``"linear"`` (one position: the Linear rule on the patch) or ``"rows"`` (per-row
+        gradients of ``chunk_size // m`` examples at a time).
+    """
+    if sums and _gram_fits(positions, batch, out, patch, weight, seen, chunk_size):
+        return "gram"
+    if sums and groups == 1:
+        return "kernel" if _by_kernel(positions, in_channels) else "blocks"
+    if groups == 1 and positions == 1:
+        return "linear"
+    return "rows"
+
+
+def conv_block_channels(rows: int, vectors: int, patch: int) -> int:
+    """Output channels per block of the ``"blocks"`` rule, for ``rows`` examples, ``vectors`` per pass and C·kk
+    ``patch`` entries.
+    """
+    return max(1, BLOCK_ELEMENTS // (rows * vectors * patch))
 
 
 def _theta_key(theta: Mapping[str, torch.Tensor]) -> tuple:
@@ -566,7 +618,7 @@ class _Sums:
         """
         m, b, o = d.shape[:3]
         total = self.total[name].view(o, -1)  # (out, C·kk)
-        if d[0, 0, 0].numel() >= KERNEL_MIN_POSITIONS and call.input.shape[1] >= KERNEL_MIN_CHANNELS:
+        if _by_kernel(d[0, 0, 0].numel(), call.input.shape[1]):
             for start in range(0, b, rows):
                 sl = slice(start, min(start + rows, b))
                 g = _conv_weight_grads_by_kernel(call.module, call.input[sl], d[:, sl])  # (c·m·out, C, *kernel)
@@ -578,7 +630,7 @@ class _Sums:
             u = _conv_patches(call.module, call.input[sl]) if call.patches is None else call.patches[sl]
             ut = u.transpose(1, 2)  # (c, L, C·kk)
             c = ut.shape[0]
-            block = max(1, BLOCK_ELEMENTS // (c * m * ut.shape[2]))
+            block = conv_block_channels(c, m, ut.shape[2])
             for o0 in range(0, o, block):
                 dd = d[sl, :, o0:o0 + block]  # (c, m, ob, L)
                 g = torch.bmm(dd.reshape(c, -1, dd.shape[-1]), ut)  # (c, m·ob, C·kk)

@@ -13,7 +13,12 @@ phases that run one after the other, the larger):
   vectors);
 * the per-layer engine (``"layers"``, the default): the batch's autograd graph B × a₁ (a₁ the probe's saved bytes
   per example), the m·B rows of output vectors pulled back to every layer (m = min(M, max(1, c // B)) vectors per
-  backward pass, M = K for the GGN), and per-example weight gradients of convolutions and token layers, c × |W| × s;
+  backward pass, M = K for the GGN), per-example weight gradients of token layers, c × |W| × s, and the
+  convolutions' work by the route :func:`~bayeswrap.methods.laplace.curvature.conv_weight_route` gives each weight
+  in each pass (:func:`_conv_work`): every layer's unfolded patches B × C·kk × L × s kept from the second pass on,
+  per-example gradients in blocks of output channels, the weight-gradient kernel's c × m × |W| (its internal
+  scratch is not counted), or the Gram form's B × out × L² factors and, after the last pass, their contraction
+  with the patches' pairs, 2 × B × C·kk × L(L+1)/2;
 * Kronecker factors: Σ_l (in_l² + out_l²) × s stored, and their eigendecompositions;
 * the dense matrix of ``"full"``: P² × s stored, and its eigendecomposition in float64 (a float64 copy and the
   eigenvectors: 2 × 8 P² more; :func:`~bayeswrap.methods.laplace.structures.psd_eigh`);
@@ -53,6 +58,7 @@ from torch import nn
 
 from bayeswrap.core.batches import batch_size, take, tensor_leaves
 from bayeswrap.core.memory import PeakTracker, check_budget, halvings, largest_fitting, resolve_budget
+from bayeswrap.methods.laplace.curvature import conv_block_channels, conv_weight_route
 
 #: bytes of float64, the dtype of the eigendecompositions (psd_eigh)
 _F64 = 8
@@ -73,6 +79,8 @@ class LayerSize:
         positions: output positions per example (tokens, a Conv's L; 1 for a Linear on (B, in)).
         output_bytes: bytes of its output per example.
         input_bytes: bytes of its input per example.
+        groups: a Conv's groups (1 otherwise).
+        in_channels: a Conv's input channels C (0 otherwise).
     """
 
     kind: str
@@ -83,6 +91,8 @@ class LayerSize:
     positions: int
     output_bytes: int
     input_bytes: int = 0
+    groups: int = 1
+    in_channels: int = 0
 
 
 @dataclass
@@ -183,7 +193,7 @@ class StructureEstimate:
 
     def glm(self, fp: Footprint, batch: int, chunk: int) -> dict[str, int]:
         """The peak of the probit / Gaussian GLM predictive (the functional variances) on ``batch`` examples."""
-        return _diagonal_work(fp, batch, chunk, fp.outputs)
+        return _diagonal_work(fp, batch, chunk, fp.outputs, sums=False)
 
     def draws(self, fp: Footprint, count: int) -> dict[str, int]:
         """``count`` draws θ_s = θ* + P^{-1/2} ε at once (a chunk of ``pred_type="nn"`` or of ``sample``)."""
@@ -257,7 +267,7 @@ class KronEstimate(StructureEstimate):
                  "unit vectors pulled back": k * batch * (pulled + 3 * fp.largest // 2),
                  "per-layer variances": per_layer}
         if fp.diag_rest:  # after the Kron blocks: the diagonal blocks' variances
-            return _larger(parts, _diagonal_work(fp, batch, chunk, k))
+            return _larger(parts, _diagonal_work(fp, batch, chunk, k, sums=False))
         return parts
 
     def draws(self, fp, count):
@@ -420,7 +430,7 @@ class LowRankEstimate(StructureEstimate):
         products = {"tangents of c columns of C (c × P)": c * p * s,
                     "vmapped jvp (c columns)": self._jvp(fp, batch, c),
                     "(J c_j)² and their sum": 2 * c * batch * fp.outputs * s}
-        return {"1/a (P)": p * s, **_larger(_diagonal_work(fp, batch, chunk, fp.outputs), products)}
+        return {"1/a (P)": p * s, **_larger(_diagonal_work(fp, batch, chunk, fp.outputs, sums=False), products)}
 
     def draws(self, fp, count):
         p, s, k = fp.num_params, fp.itemsize, self._rank(fp)
@@ -580,7 +590,7 @@ def _larger(first: dict[str, int], second: dict[str, int]) -> dict[str, int]:
     return first if sum(first.values()) >= sum(second.values()) else second
 
 
-def _diagonal_work(fp: Footprint, batch: int, chunk: int, vectors: int) -> dict[str, int]:
+def _diagonal_work(fp: Footprint, batch: int, chunk: int, vectors: int, sums: bool = True) -> dict[str, int]:
     """The diagonal curvature's (or the diagonal GLM variances') work on a batch: the per-layer engine's graph,
     pulled-back vectors and per-example convolution / token gradients, or ``vmap``'s per-example gradients.
     """
@@ -594,14 +604,70 @@ def _diagonal_work(fp: Footprint, batch: int, chunk: int, vectors: int) -> dict[
                 "vmapped graph and backward": per_example * fp.graph + rows * 2 * fp.largest}
     m = min(vectors, max(1, chunk // batch))  # vectors per backward pass
     pulled = sum(ly.positions * ly.outputs for ly in fp.layers.values()) * s
-    chunked = [ly for ly in fp.layers.values() if ly.kind in ("conv", "linear", "other") and ly.positions > 1]
+    convs = [ly for ly in fp.layers.values() if ly.kind == "conv" and ly.weight and ly.positions > 1]
+    chunked = [ly for ly in fp.layers.values() if ly.kind in ("linear", "other") and ly.positions > 1]
     rows = max(1, chunk // m)  # examples per chunk of per-example gradients
     per_example = max((m * min(rows, batch) * (2 * ly.weight + ly.outputs * ly.positions)
                        + min(rows, batch) * ly.inputs * ly.positions) * s for ly in chunked) if chunked else 0
+    kept, work = _conv_work(convs, batch, chunk, vectors, sums, s)
     # accumulators: the curvature, the engine's per-parameter sums and one parameter-sized product per layer
     return {"accumulators": 3 * p * s, "autograd graph": batch * fp.graph + fp.constant,
             "pulled-back vectors": m * batch * (pulled + 2 * fp.largest),
-            "per-example layer gradients": per_example}
+            "kept conv patches and Gram factors": kept * s,
+            "per-example layer gradients": max(per_example, work * s)}
+
+
+def _conv_work(convs: list[LayerSize], batch: int, chunk: int, vectors: int, sums: bool,
+               itemsize: int) -> tuple[int, int]:
+    """Elements of the per-layer engine's convolution work (weights with several output positions) at its largest
+    backward pass: what is kept across passes (every layer's unfolded patches from the second pass on, the Gram
+    factors), and the largest that one layer allocates at a time in that pass, by the route
+    :func:`~bayeswrap.methods.laplace.curvature.conv_weight_route` gives it in that pass (``sums``: the curvature;
+    else the GLM variances' weighted row norms), or at the Gram form's contraction after the last pass.
+    """
+    m = min(vectors, max(1, chunk // batch))
+    passes = -(-vectors // m)
+    rows = min(batch, max(1, chunk // m))
+    patched, grams = set(), set()
+    best = (0, 0)
+    for p in range(1, passes + 2):
+        work = 0
+        for i, ly in enumerate(convs):
+            patch, length = ly.inputs * ly.groups, ly.positions
+            unfold = length * patch + ly.input_bytes // itemsize  # the patches, and the (padded) input's copy
+            if p > passes:  # after the last pass: the Gram form's one contraction (the patches, their pairs and
+                if i in grams:  # a copy, the δ factor's pairs)
+                    pairs = length * (length + 1) // 2
+                    work = max(work, batch * (length * patch + pairs * max(2 * patch, patch + 2 * ly.outputs)))
+                continue
+            route = conv_weight_route(length, batch, ly.outputs, patch, ly.groups, ly.in_channels, ly.weight,
+                                      min(p * m, vectors), chunk, sums)
+            if route == "gram":  # Σ_m δδᵀ (B·out, L, L): a new one each pass, added to the kept one
+                work = max(work, batch * ly.outputs * length * length)
+                grams.add(i)
+                continue
+            if route == "linear":
+                work = max(work, 2 * batch * patch)
+                continue
+            # unfolded per chunk of examples in a single pass (not by the kernel), for the whole batch once from
+            # the second pass on and kept on the call
+            own = 0 if route == "kernel" or p > 1 else rows * unfold
+            if p > 1 and i not in patched:  # (the padded input's copy is gone before the gradients)
+                work = max(work, batch * (unfold - length * patch))
+                patched.add(i)
+            if route == "kernel":  # δ in the kernel's layout (m > 1), its weight argument, the per-example gradients
+                own += rows * m * ((m > 1) * ly.outputs * length + 2 * ly.weight)
+            elif route == "blocks":  # a block of δ copied and its per-example gradients
+                block = min(ly.outputs, conv_block_channels(rows, m, patch))
+                own += rows * m * block * (length + patch)
+            else:  # per-row gradients (and δ, them permuted for m > 1), squared in place (× the weights: a copy)
+                own += rows * m * ((m > 1) * (ly.outputs * length + ly.weight) + (1 + (not sums)) * ly.weight)
+            work = max(work, own)
+        kept = sum(batch * ly.inputs * ly.groups * ly.positions for i, ly in enumerate(convs) if i in patched) + \
+            sum(batch * ly.outputs * ly.positions**2 for i, ly in enumerate(convs) if i in grams)
+        if kept + work > sum(best):
+            best = (kept, work)
+    return best
 
 
 # ---------------------------------------------------------------------- the probe
@@ -646,8 +712,10 @@ def probe(bnn, x, structure_layers=()) -> Footprint:
                 positions = output[0, 0].numel()
             else:
                 kind, inputs, outputs, positions = "other", 0, 1, output[0].numel()
+            conv = kind == "conv"
             sizes[name] = LayerSize(kind, params, weight, inputs, outputs, positions,
-                                    output[0].numel() * output.element_size(), a[0].numel() * a.element_size())
+                                    output[0].numel() * output.element_size(), a[0].numel() * a.element_size(),
+                                    module.groups if conv else 1, module.in_channels if conv else 0)
         return record
 
     handles = [m.register_forward_hook(hook(n)) for n, m in owners.items()]
