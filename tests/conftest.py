@@ -1,8 +1,19 @@
-"""Shared fixtures: tiny fake datasets in torchvision's on-disk layouts (no network)."""
+"""Shared fixtures: tiny fake datasets in torchvision's on-disk layouts (no network).
+
+Under pytest-xdist (the README's ``-n 2``: one worker per core of a 2-core machine) each worker, and every
+subprocess a test starts, runs torch with one intra-op thread and passive OpenMP waits, set before torch is
+imported: two workers with two spinning threads each would oversubscribe the cores.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pathlib import Path  # noqa: E402
 
 import numpy as np
 import pytest
