@@ -114,7 +114,8 @@ def random_buckets(tensors: Sequence[torch.Tensor], groups: list[list[int]], kin
         raise ValueError(f"kind={kind!r} is not accepted; accepted: 'normal', 'uniform'")
     ref = tensors[0]
     sizes = [sum(tensors[i].numel() for i in idx) for idx in groups]
-    if ref.device.type != "cpu" or sum(sizes) < RNG_PARALLEL_MIN:  # one call of the generator, split per bucket
+    if ref.device.type != "cpu" or sum(sizes) < RNG_PARALLEL_MIN or torch.compiler.is_compiling():
+        # one call of the generator, split per bucket (traced by torch.compile: inductor draws its own numbers)
         flat = torch.empty(sum(sizes), device=ref.device, dtype=ref.dtype)
         (flat.normal_ if kind == "normal" else flat.uniform_)(generator=generator)
         return list(flat.split(sizes))
@@ -149,7 +150,7 @@ def _draws_like(tensors: Sequence[torch.Tensor], kind: str, generator: torch.Gen
     (different draws per vmapped member with ``randomness="different"``).
     """
     tensors = list(tensors)
-    if not available() and generator is None:
+    if _under_transform() and generator is None:
         draw = torch.randn_like if kind == "normal" else torch.rand_like
         return [draw(t) for t in tensors]
     groups = buckets(tensors)
@@ -435,13 +436,21 @@ def uniform_like(tensors: Sequence[torch.Tensor], generator: torch.Generator | N
 
 
 def available() -> bool:
-    """Whether the fused kernels may run here: not inside a ``torch.func`` transform (``vmap``, ``grad``).
+    """Whether the fused kernels may run here: not inside a ``torch.func`` transform (``vmap``, ``grad``), and
+    not while ``torch.compile`` traces.
 
     Their ``autograd.Function`` classes have no functorch rules, so a caller
     under a transform (e.g. an ensemble's members evaluated under ``vmap``) takes
-    the plain-tensor path, which computes the same values.
+    the plain-tensor path, which computes the same values. Under ``torch.compile``
+    (``bw.fit(..., compile=True)``, :mod:`bayeswrap.compiled`) their backward reads the incoming gradient as a
+    Python number, a graph break; the plain expressions trace into one graph, which inductor fuses itself.
     """
-    return not torch._C._are_functorch_transforms_active()
+    return not _under_transform() and not torch.compiler.is_compiling()
+
+
+def _under_transform() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``) is active here."""
+    return torch._C._are_functorch_transforms_active()
 
 
 class _GaussianPenalty(torch.autograd.Function):
