@@ -241,7 +241,11 @@ def main(argv=None) -> dict | None:
     if "lora" in sections:
         result["lora"] = lora_section(args)
     if "compile" in sections:
-        result["compile"] = compile_section(args, device)
+        def partial(section):  # a long section: its report so far after each model
+            write_json(args.out + ".json", {**result, "compile": section})
+            write_text(args.out + ".md", markdown({**result, "compile": section}))
+
+        result["compile"] = compile_section(args, device, partial)
     result["targets"] = evaluate_targets(result)
     report = markdown(result)
     write_json(args.out + ".json", result)

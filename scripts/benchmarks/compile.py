@@ -11,8 +11,9 @@ For each model (the digits MLP, ResNet-50, ViT-S; :func:`scripts.benchmarks.work
   (what ``bw.fit(..., compile=True)`` runs): forward and backward compiled by the same backend (inductor by
   default), the optimizer step eager in both.
 
-Every configuration runs in the same interleaved rounds (:func:`scripts.benchmarks.timing.interleaved`; on the MLP
-each timed call is :data:`MLP_STEPS_PER_CALL` steps, reported per step), after the
+Each method's eager and compiled steps run in interleaved rounds with eager plain training
+(:func:`scripts.benchmarks.timing.interleaved`; on the MLP each timed call is :data:`MLP_STEPS_PER_CALL` steps,
+reported per step), after the
 compilation, which is timed apart (the first two calls of a compiled step, less two compiled steps: for bayeswrap
 the first call is eager and the second compiles). Reported: medians of wall and process CPU time per step, the
 ratios compiled / eager per method, and each step against eager plain training.
@@ -21,6 +22,7 @@ ratios compiled / eager per method, and each step against eager plain training.
 from __future__ import annotations
 
 import copy
+import gc
 import time
 
 import torch
@@ -73,14 +75,18 @@ def make_compiled_step(model: torch.nn.Module, method: str, device: torch.device
 
 
 def time_compiled(args, name: str, device: torch.device) -> dict:
-    """Eager and compiled steps of every method on one model and batch, in interleaved rounds."""
+    """Eager and compiled steps of every method on one model and batch, in interleaved rounds.
+
+    Each method is timed in rounds of its own with eager plain training (the reference), its eager step and its
+    compiled step, so that three copies of the model are held at a time (not two per method).
+    """
     img = args.compile_vit_img_size if "vit" in name else args.compile_img_size
     model = make_model(name, img)
     x, y = batch(name, args.compile_batch_size, img, device)
     options = {"backend": args.compile_backend}
-    steps, compile_calls = {}, {}
+    per_call = MLP_STEPS_PER_CALL if name == "mlp" else 1
+    med, cpu, wall_all, compile_calls = {}, {}, {}, {}
     for m in args.compile_methods:
-        steps[m] = make_step(model, m, device, False)
         compiled = make_compiled_step(model, m, device, options)
         sync(device)
         tic = time.perf_counter()
@@ -88,35 +94,46 @@ def time_compiled(args, name: str, device: torch.device) -> dict:
         compiled(x, y)
         sync(device)
         compile_calls[m] = time.perf_counter() - tic
-        steps[f"{m} (compiled)"] = compiled
         print(f"  {name} {m}: compiled in {compile_calls[m]:.1f} s", flush=True)
-    per_call = MLP_STEPS_PER_CALL if name == "mlp" else 1
+        steps = {"plain": make_step(model, "plain", device, False)}
+        steps[m] = steps["plain"] if m == "plain" else make_step(model, m, device, False)
+        steps[f"{m} (compiled)"] = compiled
 
-    def run(step):
-        for _ in range(per_call):
-            step(x, y)
+        def run(step):
+            for _ in range(per_call):
+                step(x, y)
 
-    wall, cpu_times = interleaved({k: (lambda s=s: run(s)) for k, s in steps.items()}, args.compile_repeats,
-                                  args.compile_warmup, device)
-    wall = {k: [t / per_call for t in v] for k, v in wall.items()}
-    med, cpu = medians(wall), {k: v / per_call for k, v in medians(cpu_times).items()}
-    for m in args.compile_methods:
-        loss = getattr(steps[f"{m} (compiled)"], "loss", None)
+        wall, cpu_times = interleaved({k: (lambda s=s: run(s)) for k, s in steps.items()}, args.compile_repeats,
+                                      args.compile_warmup, device)
+        loss = getattr(compiled, "loss", None)
         if loss is not None and loss.eager_steps != 1:  # only the first call may run eagerly
             raise RuntimeError(f"{name} {m}: {loss.eager_steps} eager steps; the compiled step fell back")
+        wall = {k: [t / per_call for t in v] for k, v in wall.items()}
+        plain_wall, plain_cpu = medians(wall)["plain"], medians(cpu_times)["plain"] / per_call
+        for k in (m, f"{m} (compiled)"):
+            med[k] = medians(wall)[k]
+            cpu[k] = medians(cpu_times)[k] / per_call
+            wall_all[k] = wall[k]
+        med[f"{m} (plain in its rounds)"], cpu[f"{m} (plain in its rounds)"] = plain_wall, plain_cpu
+        del steps, compiled, loss
+        gc.collect()
     methods = list(args.compile_methods)
     return {"model": name, "img_size": img, "batch_size": args.compile_batch_size,
             "params": sum(p.numel() for p in model.parameters()), "methods": methods,
-            "seconds": med, "cpu_seconds": cpu, "all_seconds": wall,
+            "seconds": med, "cpu_seconds": cpu, "all_seconds": wall_all,
             "compiled_over_eager": {m: med[f"{m} (compiled)"] / med[m] for m in methods},
             "cpu_compiled_over_eager": {m: cpu[f"{m} (compiled)"] / cpu[m] for m in methods},
-            "over_plain": {k: v / med["plain"] for k, v in med.items()},
-            "cpu_over_plain": {k: v / cpu["plain"] for k, v in cpu.items()},
+            "over_plain": {k: med[k] / med[f"{m} (plain in its rounds)"] for m in methods
+                           for k in (m, f"{m} (compiled)")},
+            "cpu_over_plain": {k: cpu[k] / cpu[f"{m} (plain in its rounds)"] for m in methods
+                               for k in (m, f"{m} (compiled)")},
             "compile_seconds": {m: max(compile_calls[m] - 2 * med[f"{m} (compiled)"], 0.0) for m in methods}}
 
 
-def compile_section(args, device: torch.device) -> dict:
-    """Runs :func:`time_compiled` for every model of ``--compile-models`` at ``--compile-threads`` threads."""
+def compile_section(args, device: torch.device, on_model=None) -> dict:
+    """Runs :func:`time_compiled` for every model of ``--compile-models`` at ``--compile-threads`` threads,
+    calling ``on_model(section so far)`` after each model (the script writes its report there).
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(args.compile_threads)
     try:
@@ -126,10 +143,16 @@ def compile_section(args, device: torch.device) -> dict:
             r = time_compiled(args, name, device)
             results[name] = r
             print({m: round(v, 3) for m, v in r["compiled_over_eager"].items()}, flush=True)
+            if on_model is not None:
+                on_model(_section(args, results))
     finally:
         torch.set_num_threads(threads)
+    return _section(args, results)
+
+
+def _section(args, results: dict) -> dict:
     return {"config": {"backend": args.compile_backend, "threads": args.compile_threads,
-                       "repeats": args.compile_repeats, "warmup": args.compile_warmup}, "models": results}
+                       "repeats": args.compile_repeats, "warmup": args.compile_warmup}, "models": dict(results)}
 
 
 def compile_markdown(section: dict) -> list[str]:
@@ -142,8 +165,8 @@ def compile_markdown(section: dict) -> list[str]:
              "backward compiled: `torch.compile(fullgraph=True)` of plain training's loss, "
              "`bayeswrap.compiled.CompiledLoss` (what `bw.fit(..., compile=True)` runs) for bayeswrap; the optimizer "
              "step is eager in both. SGLD: past burn-in, a draw kept every 10th step.",
-             f"Time: medians of {c['repeats']} interleaved rounds after {c['warmup']} warm-up round(s), every "
-             "configuration in each round; compilation is excluded from the rounds and given apart (the first two "
+             f"Time: medians of {c['repeats']} interleaved rounds after {c['warmup']} warm-up round(s); each "
+             "method's rounds hold eager plain training, its eager step and its compiled step; compilation is excluded from the rounds and given apart (the first two "
              "calls of the compiled step less two compiled steps; MLP: 50 steps per timed call). CPU-time ratios (process CPU time; robust to "
              "other load on a shared machine) beside the wall-clock ones.", ""]
     for name, r in section["models"].items():
