@@ -111,6 +111,7 @@ except ImportError as err:  # an optional extra
     raise ImportError('bayeswrap.lightning needs Lightning (the "lightning" package, >= 2.2): '
                       'pip install "bayeswrap[lightning]"') from err
 
+from bayeswrap.compiled import CompiledLoss, compile_options
 from bayeswrap.core import distributed
 from bayeswrap.core.batches import batch_pair, check_inputs_finite, loader_pair, to_device
 from bayeswrap.core.checks import check_bool, check_int
@@ -257,6 +258,14 @@ def _class_as_spec(value) -> dict | None:
         return {"class_path": f"{func.__module__}.{func.__qualname__}",
                 "init_args": {k: _storable(k, v) for k, v in keywords.items()}}
     except ValueError:  # keywords that are not plain data: kept as a callable
+        return None
+
+
+def _storable_or_none(name: str, value):
+    """``value`` as plain data for the hyper-parameters, or None where it is not (e.g. a callable)."""
+    try:
+        return _storable(name, value)
+    except ValueError:
         return None
 
 
@@ -502,6 +511,10 @@ class BayesianModule(pl.LightningModule):
         n_bins: bins of the validation ECE, an integer ≥ 1.
         seed: seed of the generator of the validation uncertainty draws.
         finalize: call ``bnn.after_fit`` when training ends (see :class:`BayesianCallback`).
+        compile: ``False``, ``True`` or a mapping of ``torch.compile`` keyword arguments, as
+            :func:`bayeswrap.fit`'s ``compile``: ``training_step``'s loss and its backward run as one compiled
+            graph (compiled anew at each ``trainer.fit``; the first step and batches of other shapes run
+            eagerly; :mod:`bayeswrap.compiled`). Stored in the hyper-parameters when it is plain data.
 
     Raises:
         ValueError: for a ``bnn`` that ``fit`` cannot train, neither or both of
@@ -523,8 +536,11 @@ class BayesianModule(pl.LightningModule):
                  model: nn.Module | str | Mapping | None = None, method: str | None = None,
                  wrap_options: Mapping | None = None, scheduler: Callable | str | Mapping | None = None,
                  kl_schedule: Callable | str | Mapping | None = None, val_num_samples: int = 0,
-                 predict_num_samples: int = 5, n_bins: int = 15, seed: int = 0, finalize: bool = True):
+                 predict_num_samples: int = 5, n_bins: int = 15, seed: int = 0, finalize: bool = True,
+                 compile: bool | Mapping = False):
         super().__init__()
+        self.compile = compile_options(compile)  # checked here; the step is compiled when training starts
+        self._compiled_loss: CompiledLoss | None = None
         self.make_optimizer, optimizer_spec = _callable_or_spec("optimizer", optimizer)
         self.make_scheduler, scheduler_spec = _callable_or_spec("scheduler", scheduler)
         if type(kl_schedule) is KLSchedule:  # stored as the class path that rebuilds it
@@ -575,7 +591,8 @@ class BayesianModule(pl.LightningModule):
             "model": model_spec, "method": bnn.method, "wrap_options": _wrap_options(bnn),
             "optimizer": optimizer_spec, "scheduler": scheduler_spec, "kl_schedule": kl_spec,
             "val_num_samples": self.val_num_samples, "predict_num_samples": self.predict_num_samples,
-            "n_bins": self.n_bins, "seed": self.seed, "finalize": finalize})
+            "n_bins": self.n_bins, "seed": self.seed, "finalize": finalize,
+            "compile": _storable_or_none("compile", compile)})
 
     # ------------------------------------------------------------------ set-up
     def configure_optimizers(self):
@@ -595,6 +612,7 @@ class BayesianModule(pl.LightningModule):
     # a callback from configure_callbacks is re-registered, with a notice, at every trainer.fit/validate/predict)
     def on_train_start(self) -> None:
         self.callback.on_train_start(self.trainer, self)
+        self._compiled_loss = None if self.compile is None else CompiledLoss(self.bnn, self.compile)
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self.callback.on_train_batch_start(self.trainer, self, batch, batch_idx)
@@ -627,7 +645,7 @@ class BayesianModule(pl.LightningModule):
         bnn, epoch = self.bnn, self.current_epoch
         x, y = self._pair(batch, f"train_loader batch {batch_idx} of epoch {epoch + 1}")
         factor = 1.0 if self.kl_schedule is None else check_factor(self.kl_schedule(epoch), "kl_schedule")
-        out = step_loss(bnn, x, y, factor)
+        out = step_loss(bnn, x, y, factor, self._compiled_loss)
         if not math.isfinite(out.loss.item()):
             raise FloatingPointError(diagnose_nonfinite_loss(bnn, out, x, y, epoch, batch_idx,
                                                               self.trainer.global_step - self.callback.start_step))

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 import torch
 from tqdm import tqdm
 
+from bayeswrap.compiled import CompiledLoss, compile_options
 from bayeswrap.core import distributed
 from bayeswrap.core.batches import NonFiniteInputError, batch_size, check_reiterable, loader_pair, tensor_leaves
 from bayeswrap.core.checks import check_float, check_int
@@ -28,7 +29,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         autocast_dtype: torch.dtype | None = None, grad_clip_norm: float | None = None, start_epoch: int = 0,
         on_epoch_end: Callable[[int, dict], None] | None = None, progress: bool | Mapping = True,
         finalize: bool = True, kl_schedule: Callable[[int], float] | None = None,
-        grad_scaler: torch.amp.GradScaler | None = None) -> list[dict]:
+        grad_scaler: torch.amp.GradScaler | None = None, compile: bool | Mapping = False) -> list[dict]:
     """Trains any :class:`BayesianModel`: the same loop for MAP, VI, MC-dropout, SGLD and Laplace.
 
     Each step minimises ``bnn.loss(x, y).loss`` with ``optimizer`` and then
@@ -72,8 +73,8 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
     Args:
         bnn: the Bayesian model; batches are moved to its device. ``torch.compile(bnn)`` is accepted and
             the BayesianModel it wraps is trained (the same object): the loop calls ``bnn.loss`` and the
-            method's hooks, which run eagerly (a functional call on a storage-free copy), so compiling
-            changes nothing in training; the compiled module's ``forward`` (the predictive) stays compiled.
+            method's hooks (a functional call on a storage-free copy), so compiling the module changes nothing
+            in training (its ``forward``, the predictive, stays compiled); ``compile=True`` compiles the step.
         train_loader: any iterable of ``(inputs, targets)`` pairs (a DataLoader, a list); a one-shot
             iterator (a generator) only where it is read once: one epoch, and a method whose ``after_fit`` does
             not read it again (not Laplace or SWAG, unless ``finalize=False``);
@@ -124,6 +125,15 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         grad_scaler: ``None`` or a ``torch.amp.GradScaler`` for ``autocast_dtype=float16``
             (pass your own to save and restore its ``state_dict()`` in checkpoints; by
             default fit makes one). Refused with any other ``autocast_dtype``.
+        compile: ``False`` (eager steps), ``True`` or a mapping of ``torch.compile`` keyword arguments
+            (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``; e.g. ``{"backend": "aot_eager"}``,
+            ``{"mode": "max-autotune"}``): the step's loss and its backward run as one compiled graph, the
+            method's reference expressions instead of the fused kernels, with no graph break
+            (``fullgraph=True`` unless given). The first step and batches of other shapes than the compiled
+            one (the last, smaller batch) run eagerly, so an epoch compiles once; the losses and parameters are
+            eager's to float rounding (with inductor, its own random draws unless
+            ``torch._inductor.config.fallback_random``). Each fit compiles anew; compilation takes seconds to
+            minutes, so it pays on long fits of large models. See :mod:`bayeswrap.compiled`.
 
     Returns:
         History: a list with one dict per epoch: ``epoch``, ``train_loss``,
@@ -132,13 +142,14 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
         scheduler steps), ``seconds``, ``kl_factor`` (the schedule's factor, 1.0 without one), and
         ``val_nll``/``val_error`` (or ``val_rmse``) with a val loader. With a gradient scaler
         (float16) also ``skipped_steps`` (steps skipped for inf/NaN gradients in the epoch)
-        and ``grad_scale`` (the scale at the end of the epoch).
+        and ``grad_scale`` (the scale at the end of the epoch). With ``compile``, ``compiled_steps``: the
+        epoch's steps computed by the compiled graph.
 
     Raises:
         ValueError: before any step, for an option out of range (each message
             names the value and the accepted ones: ``epochs``, ``start_epoch``,
             ``early_stopping_patience``, ``val_num_samples``, ``grad_clip_norm``,
-            ``autocast_dtype``, ``grad_scaler``, non-callable ``kl_schedule``/``on_epoch_end``); for
+            ``autocast_dtype``, ``grad_scaler``, ``compile``, non-callable ``kl_schedule``/``on_epoch_end``); for
             an optimizer of the wrong class (SGLD and IVON need their own), or one
             that holds none of bnn's trainable parameters or tensors that are not
             bnn's; a one-shot iterator (a generator) as ``train_loader`` or ``val_loader``
@@ -169,6 +180,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                                  note="the max gradient norm; None: no clipping")
     autocast_dtype = _autocast_dtype(autocast_dtype)
     scaler = _check_grad_scaler(grad_scaler, autocast_dtype)
+    compile_kwargs = compile_options(compile)
     for name, fn in (("kl_schedule", kl_schedule), ("on_epoch_end", on_epoch_end)):
         if fn is not None and not callable(fn):
             raise ValueError(f"{name}={fn!r} is not accepted; accepted: None or a callable")
@@ -192,6 +204,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
     if scaler is None and autocast_dtype == torch.float16:
         scaler = torch.amp.GradScaler(device.type)
     bnn.before_fit(num_steps, optimizer, steps_per_epoch=None if num_steps is None else len(train_loader))
+    loss_fn = None if compile_kwargs is None else CompiledLoss(bnn, compile_kwargs)
     classification = bnn.likelihood.name == "categorical"
     if autocast_dtype is None:  # no autocast context per step at all (its enter/exit costs ~10 µs)
         autocast = contextlib.nullcontext
@@ -211,6 +224,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             tic = time.perf_counter()
             totals = {"loss": 0.0, "nll": 0.0, "kl": 0.0, "errors": 0.0, "n": 0}
             skipped = 0
+            compiled_before = 0 if loss_fn is None else loss_fn.compiled_steps
             kl_factor = 1.0 if kl_schedule is None else check_factor(kl_schedule(epoch), "kl_schedule")
             _set_epoch(train_loader, epoch)
             bar.set_description(f"{prefix}epoch {epoch + 1}/{epochs}", refresh=False)
@@ -219,7 +233,7 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                                    classification)
                 optimizer.zero_grad(set_to_none=True)
                 with autocast():
-                    out = step_loss(bnn, x, y, kl_factor)
+                    out = step_loss(bnn, x, y, kl_factor, loss_fn)
                 loss_value = out.loss.item()
                 finite = math.isfinite(loss_value)
                 if not finite and not parallel:
@@ -286,6 +300,8 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
                       "lr": lr, "seconds": time.perf_counter() - tic, "kl_factor": kl_factor}
             if classification:
                 record["train_error"] = totals["errors"] / totals["n"]
+            if loss_fn is not None:
+                record["compiled_steps"] = loss_fn.compiled_steps - compiled_before
             if scaler is not None:
                 record["skipped_steps"] = skipped
                 record["grad_scale"] = scaler.get_scale()
@@ -590,8 +606,9 @@ def _target_scale_overflow(out, y) -> str | None:
             "targets, y' = (y - mean) / std on the training set, and map predictions back with mean + std * f")
 
 
-def step_loss(bnn: BayesianModel, x, y, kl_factor: float):
-    """``bnn.loss(x, y)`` with the KL weight scaled by ``kl_factor`` for this call only.
+def step_loss(bnn: BayesianModel, x, y, kl_factor: float, loss: Callable | None = None):
+    """``bnn.loss(x, y)`` (or ``loss(x, y)``, e.g. a :class:`~bayeswrap.compiled.CompiledLoss` of bnn) with the KL
+    weight scaled by ``kl_factor`` for this call only.
 
     A loss that the model's own check found non-finite because of the inputs (a
     :class:`~bayeswrap.core.batches.NonFiniteInputError` carrying the loss output) is
@@ -602,7 +619,7 @@ def step_loss(bnn: BayesianModel, x, y, kl_factor: float):
     if kl_factor != 1.0:
         bnn.kl_weight = full * kl_factor
     try:
-        return bnn.loss(x, y)
+        return (bnn.loss if loss is None else loss)(x, y)
     except NonFiniteInputError as err:
         if err.output is None:
             raise

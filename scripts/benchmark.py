@@ -31,6 +31,10 @@ interleaved rounds to cancel drift; medians are reported):
    against a plain peft LoRA step (AdamW, the model's own loss) of a GPT-2-small-sized model (random init,
    batch 8 × 128 tokens, CPU, one thread): interleaved medians with their spread, and the peak RSS of a fresh
    process per method (:mod:`scripts.benchmarks.lora`). ``--lora-fast`` is a tiny GPT-2 (the test's).
+7. ``compile`` (not in the default ``--sections``): plain training, MAP, VI, MC-dropout and SGLD steps with the
+   loss and its backward compiled (``torch.compile``; bayeswrap's ``bw.fit(..., compile=True)`` step) against
+   the same steps eager, on the digits MLP, ResNet-50 and ViT-S, in interleaved rounds, with the compilation
+   timed apart (:mod:`scripts.benchmarks.compile`).
 
 The Markdown has one table per section, with a target column and ``met``/``gap``
 where a target is set. Writes ``<out>.json``, ``<out>.md`` and ``<out>.png``.
@@ -48,6 +52,7 @@ Example::
         --bayesdll-src ../BayesDLL --out figures/benchmark_cpu_r50
     OMP_NUM_THREADS=1 python scripts/benchmark.py --sections laplace --out figures/benchmark_cpu_laplace
     OMP_NUM_THREADS=1 python scripts/benchmark.py --sections lora --out figures/benchmark_cpu_lora
+    OMP_NUM_THREADS=1 python scripts/benchmark.py --sections compile --out figures/benchmark_cpu_compile
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ import torch
 
 from bayeswrap.core.io import write_json, write_text
 from scripts.benchmarks.bayesdll import load_bayesdll
+from scripts.benchmarks.compile import COMPILE_METHODS, compile_section
 from scripts.benchmarks.curvature import curvature_backends, curvature_section
 from scripts.benchmarks.epoch import mlp_epoch
 from scripts.benchmarks.laplace import laplace_section, load_laplace_torch, probit_agreement
@@ -144,6 +150,17 @@ def parse_args(argv=None):
     p.add_argument("--lora-threads", type=int, default=1, help="lora section: torch's CPU threads")
     p.add_argument("--lora-fast", action="store_true",
                    help="lora section: a tiny GPT-2 (2 layers, width 32) instead of GPT-2-small's sizes (tests)")
+    p.add_argument("--compile-models", default="mlp,resnet50,vit_small_patch16_224",
+                   help="compile section: models (mlp or timm names)")
+    p.add_argument("--compile-methods", default=",".join(COMPILE_METHODS),
+                   help=f"compile section: methods, a subset of {','.join(COMPILE_METHODS)} (plain is always measured)")
+    p.add_argument("--compile-backend", default="inductor", help="compile section: torch.compile's backend")
+    p.add_argument("--compile-batch-size", type=int, default=16, help="compile section: batch size")
+    p.add_argument("--compile-img-size", type=int, default=160, help="compile section: image side of the CNNs")
+    p.add_argument("--compile-vit-img-size", type=int, default=112, help="compile section: image side of the ViTs")
+    p.add_argument("--compile-repeats", type=int, default=3, help="compile section: interleaved rounds")
+    p.add_argument("--compile-warmup", type=int, default=1, help="compile section: untimed rounds first")
+    p.add_argument("--compile-threads", type=int, default=1, help="compile section: torch's CPU threads")
     p.add_argument("--out", default="figures/benchmark")
     p.add_argument("--child-memory", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -159,6 +176,11 @@ def parse_args(argv=None):
             p.error(f"{flag}: unknown {sorted(set(chosen) - set(accepted))}; accepted: {','.join(accepted)}")
         setattr(args, flag[2:].replace("-", "_"), chosen)
     args.lora_methods = ["plain"] + [m for m in args.lora_methods if m != "plain"]
+    chosen = [m for m in args.compile_methods.split(",") if m]
+    if set(chosen) - set(COMPILE_METHODS):
+        p.error(f"--compile-methods: unknown {sorted(set(chosen) - set(COMPILE_METHODS))}; accepted: "
+                f"{','.join(COMPILE_METHODS)}")
+    args.compile_methods = ["plain"] + [m for m in chosen if m != "plain"]
     args.lora_batch_size = args.lora_batch_size or (2 if args.lora_fast else 8)
     args.lora_seq_len = args.lora_seq_len or (16 if args.lora_fast else 128)
     args.curvature_kinds = [k for k in args.curvature_kinds.split(",") if k]
@@ -220,6 +242,12 @@ def main(argv=None) -> dict | None:
         result["laplace"] = laplace_section(args, device, load_laplace_torch())
     if "lora" in sections:
         result["lora"] = lora_section(args)
+    if "compile" in sections:
+        def partial(section):  # a long section: its report so far after each model
+            write_json(args.out + ".json", {**result, "compile": section})
+            write_text(args.out + ".md", markdown({**result, "compile": section}))
+
+        result["compile"] = compile_section(args, device, partial)
     result["targets"] = evaluate_targets(result)
     report = markdown(result)
     write_json(args.out + ".json", result)

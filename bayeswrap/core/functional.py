@@ -461,12 +461,14 @@ def vmap_over_examples(fn: Callable, in_dims=0) -> Callable:
 _TIED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
+@torch.compiler.assume_constant_result
 def _has_tied_tensors(model: nn.Module) -> bool:
     """Whether a tensor of ``model`` is registered under several names (cached per module).
 
     ``functional_call(tie_weights=True)`` then gives every alias the tensor
     passed for one of them; for a module without aliases the tie bookkeeping
-    (a walk over all its names on every call) is skipped.
+    (a walk over all its names on every call) is skipped. ``torch.compile`` takes the answer as a constant
+    (no guard on the cache, whose entries come and go with other modules).
     """
     tied = _TIED.get(model)
     if tied is None:

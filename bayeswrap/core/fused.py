@@ -123,7 +123,8 @@ def random_buckets(tensors: Sequence[torch.Tensor], groups: list[list[int]], kin
             [(torch.Size([n]), ref.dtype, ref.device) for n in sizes]:
         raise ValueError(f"out={[(tuple(b.shape), b.dtype, str(b.device)) for b in out]} does not match the buckets; "
                          f"accepted: 1-D tensors of sizes {sizes}, dtype {ref.dtype}, device {ref.device}")
-    if ref.device.type != "cpu" or sum(sizes) < RNG_PARALLEL_MIN:  # one call of the generator, split per bucket
+    if ref.device.type != "cpu" or sum(sizes) < RNG_PARALLEL_MIN or torch.compiler.is_compiling():
+        # one call of the generator, split per bucket (traced by torch.compile: inductor draws its own numbers)
         if out is not None and len(out) != 1:  # one call over the buckets laid end to end
             flat = torch.empty(sum(sizes), device=ref.device, dtype=ref.dtype)
             (flat.normal_ if kind == "normal" else flat.uniform_)(generator=generator)
@@ -164,7 +165,7 @@ def _draws_like(tensors: Sequence[torch.Tensor], kind: str, generator: torch.Gen
     (different draws per vmapped member with ``randomness="different"``).
     """
     tensors = list(tensors)
-    if not available() and generator is None:
+    if _under_transform() and generator is None:
         draw = torch.randn_like if kind == "normal" else torch.rand_like
         return [draw(t) for t in tensors]
     groups = buckets(tensors)
@@ -639,13 +640,21 @@ def uniform_like(tensors: Sequence[torch.Tensor], generator: torch.Generator | N
 
 
 def available() -> bool:
-    """Whether the fused kernels may run here: not inside a ``torch.func`` transform (``vmap``, ``grad``).
+    """Whether the fused kernels may run here: not inside a ``torch.func`` transform (``vmap``, ``grad``), and
+    not while ``torch.compile`` traces.
 
     Their ``autograd.Function`` classes have no functorch rules, so a caller
     under a transform (e.g. an ensemble's members evaluated under ``vmap``) takes
-    the plain-tensor path, which computes the same values.
+    the plain-tensor path, which computes the same values. Under ``torch.compile``
+    (``bw.fit(..., compile=True)``, :mod:`bayeswrap.compiled`) their backward reads the incoming gradient as a
+    Python number, a graph break; the plain expressions trace into one graph, which inductor fuses itself.
     """
-    return not torch._C._are_functorch_transforms_active()
+    return not _under_transform() and not torch.compiler.is_compiling()
+
+
+def _under_transform() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``) is active here."""
+    return torch._C._are_functorch_transforms_active()
 
 
 class _GaussianPenalty(torch.autograd.Function):

@@ -501,6 +501,15 @@ class BayesianModel(nn.Module, ABC):
                                           "values (NaN or inf); accepted: finite regression targets", output=out)
         return out
 
+    def _unchecked_loss(self, x, y) -> LossOutput:
+        """:meth:`loss` without its data checks, for targets already checked or cast (class labels as int64).
+
+        Pure in its tensors (no host sync, no data-dependent branch), so that ``torch.compile`` captures it in one
+        graph (:mod:`bayeswrap.compiled`, ``bw.fit(..., compile=True)``); the caller checks the targets.
+        """
+        outs, kl = self._train_outputs(x)
+        return self._loss_output(outs, kl, y)
+
     def _train_outputs(self, x) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The training forward passes of :meth:`loss`: ``num_train_samples`` outputs and the regulariser.
 

@@ -330,14 +330,23 @@ class Ensemble(BayesianModel):
             return self._checked_loss(self._loss_output_members(outs, kls, y), x, y)
         return self._sequential_loss(x, y)
 
-    def _sequential_loss(self, x, y) -> LossOutput:
+    def _unchecked_loss(self, x, y) -> LossOutput:
+        """:meth:`loss` without its data checks (:meth:`BayesianModel._unchecked_loss`), the members run as
+        :meth:`loss` last ran them (vmapped, or one after another).
+        """
+        if self._vmap_state == "on":
+            outs, kls = self._vmapped_outputs(x)
+            return self._loss_output_members(outs, kls, y, check=False)
+        return self._sequential_loss(x, y, checked=False)
+
+    def _sequential_loss(self, x, y, checked: bool = True) -> LossOutput:
         if self.parallel == "checkpoint" and torch.is_grad_enabled():
-            return self._checkpointed_loss(x, y)
-        outs = [member.loss(x, y) for member in self.members]
+            return self._checkpointed_loss(x, y, checked)
+        outs = [(member.loss if checked else member._unchecked_loss)(x, y) for member in self.members]
         return LossOutput(sum(o.loss for o in outs), sum(o.nll for o in outs) / len(outs),
                           sum(o.kl for o in outs), self._combine(torch.stack([o.logits for o in outs])))
 
-    def _checkpointed_loss(self, x, y) -> LossOutput:
+    def _checkpointed_loss(self, x, y, checked: bool = True) -> LossOutput:
         """The members' losses one at a time, each under activation checkpointing (``parallel="checkpoint"``).
 
         Only the members' scalar losses stay in the graph: their outputs are combined detached (a running log mean
@@ -347,7 +356,7 @@ class Ensemble(BayesianModel):
         probability = self.likelihood.name in PROBABILITY_LIKELIHOODS
         loss = nll = kl = combined = None
         for member in self.members:
-            out = LossOutput(*checkpoint(_loss_fields, member, x, y, use_reentrant=False))
+            out = LossOutput(*checkpoint(_loss_fields, member, x, y, checked, use_reentrant=False))
             part = at_least_float32(out.logits.detach())
             part = part.log_softmax(-1) if probability else part
             combined = part if combined is None else (torch.logaddexp(combined, part) if probability
@@ -368,10 +377,14 @@ class Ensemble(BayesianModel):
         """
         params, buffers, shared, _ = self._member_state()
         stacked = {f"member.{n}": torch.stack(ts) for n, ts in params.items()}
-        key = tuple((id(t), t._version) for ts in buffers.values() for t in ts)
-        if self._stacked_buffers is None or self._stacked_buffers[0] != key:
-            self._stacked_buffers = (key, {f"member.{n}": torch.stack(ts) for n, ts in buffers.items()})
-        stacked_buffers = self._stacked_buffers[1]
+        compiling = torch.compiler.is_compiling()
+        if compiling:  # in a compiled step (bayeswrap.compiled) the stack is part of the graph: no version counters
+            stacked_buffers = {f"member.{n}": torch.stack(ts) for n, ts in buffers.items()}
+        else:
+            key = tuple((id(t), t._version) for ts in buffers.values() for t in ts)
+            if self._stacked_buffers is None or self._stacked_buffers[0] != key:
+                self._stacked_buffers = (key, {f"member.{n}": torch.stack(ts) for n, ts in buffers.items()})
+            stacked_buffers = self._stacked_buffers[1]
         template = self._state_cache[3]
         out = vmap(lambda state, common: functional_call(template, {**state, **common}, (x,)), in_dims=(0, None),
                    randomness="different")({**stacked, **stacked_buffers}, shared)
@@ -383,7 +396,7 @@ class Ensemble(BayesianModel):
                         for m, t in enumerate(ts):
                             t.copy_(stacked_buffers[f"member.{name}"][m])
                             changed = True
-                if changed:  # the copies bumped the members' version counters: refresh the key
+                if changed and not compiling:  # the copies bumped the members' version counters: refresh the key
                     self._stacked_buffers = (tuple((id(t), t._version) for ts in buffers.values() for t in ts),
                                              stacked_buffers)
         return out
@@ -431,13 +444,15 @@ class Ensemble(BayesianModel):
         self._state_cache = self._stacked_buffers = None
         return super()._load_from_state_dict(*args, **kwargs)
 
-    def _loss_output_members(self, outs: torch.Tensor, kls: torch.Tensor, y) -> LossOutput:
+    def _loss_output_members(self, outs: torch.Tensor, kls: torch.Tensor, y, check: bool = True) -> LossOutput:
         """:meth:`BayesianModel.loss` of every member at once from (M, S_train, B, ·) outputs, summed over members.
 
-        The likelihood runs once on the flattened outputs (cheaper than under vmap).
+        The likelihood runs once on the flattened outputs (cheaper than under vmap); ``check=False`` skips the
+        targets' check (done by the caller).
         """
         first = self.members[0]
-        first.likelihood.check_targets(outs[0, 0], y)
+        if check:
+            first.likelihood.check_targets(outs[0, 0], y)
         count = outs.shape[0] * outs.shape[1]
         targets = y.expand(count, *y.shape).reshape(-1, *y.shape[1:])
         nll = first.likelihood.nll(outs.reshape(-1, *outs.shape[3:]), targets, reduction="none")
@@ -607,6 +622,6 @@ def _view(t: torch.Tensor) -> tuple:
     return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
-def _loss_fields(member: BayesianModel, x, y) -> tuple:
+def _loss_fields(member: BayesianModel, x, y, checked: bool = True) -> tuple:
     """A member's :class:`LossOutput` as a tuple of tensors (what ``torch.utils.checkpoint`` returns)."""
-    return tuple(member.loss(x, y))
+    return tuple(member.loss(x, y) if checked else member._unchecked_loss(x, y))

@@ -134,7 +134,8 @@ class IVON(BayesianModel):
             perturbation = torch._foreach_mul(standard_normal_like(means), [std[n] for n in names])
         if torch.is_grad_enabled():  # a draw that can produce the gradient of the next step
             self._perturbation = dict(zip(names, perturbation))
-            self._link()  # again, in case the Parameters were replaced (e.g. load_state_dict(assign=True))
+            if not torch.compiler.is_compiling():  # a compiled step links in before_fit (a dict write breaks graphs)
+                self._link()  # again, in case the Parameters were replaced (e.g. load_state_dict(assign=True))
         return {n: m + z for n, m, z in zip(names, means, perturbation)}
 
     def ivon_terms(self, name: str) -> bw_optim.IVONTerms:
@@ -172,3 +173,8 @@ class IVON(BayesianModel):
         """σ = 1/sqrt(λ (h + δ)), ``{name: tensor}``."""
         ess, delta = self.ess, self.weight_decay
         return {n: (ess * (h + delta)).rsqrt() for n, h in self.hess.items()}
+
+    def before_fit(self, num_steps, optimizer=None, steps_per_epoch=None) -> None:
+        """Links the mean Parameters to this model for the optimizer (a compiled step's draws do not link them)."""
+        super().before_fit(num_steps, optimizer, steps_per_epoch)
+        self._link()

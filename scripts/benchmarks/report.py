@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bayeswrap.evaluation.plots import new_figure, save_figure
+from scripts.benchmarks.compile import compile_markdown
 from scripts.benchmarks.epoch import ENSEMBLE_MEMBERS
 from scripts.benchmarks.targets import status
 from scripts.benchmarks.workloads import LR
@@ -160,6 +161,8 @@ def markdown(result: dict) -> str:
         lines += laplace_markdown(result["laplace"], result["torch"], find)
     if result.get("lora"):
         lines += lora_markdown(result["lora"], find)
+    if result.get("compile"):
+        lines += compile_markdown(result["compile"])
     if checks:
         met = sum(c["met"] for c in checks)
         lines += ["", f"Targets: {met} of {len(checks)} met."]
