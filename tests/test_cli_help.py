@@ -97,7 +97,8 @@ def _help(argv, capsys) -> str:
     return capsys.readouterr().out
 
 
-def test_fit_help_is_short_and_per_method_help_lists_the_methods_options(capsys):
+def test_fit_help_is_short_and_per_method_help_lists_the_methods_options(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps to the terminal's width: the same count wherever it runs
     plain = _help(["fit", "--help"], capsys)
     laplace = _help(["fit", "--method", "laplace", "--help"], capsys)
     before = _help(["fit", "--help", "--method", "laplace"], capsys)  # --method after --help: the same help

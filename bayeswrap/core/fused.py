@@ -279,8 +279,12 @@ class _MeanFieldBucket(torch.autograd.Function):
         log_s = torch.stack([u[i].sum() for i in prior_pos]).sum() if prior_pos else None  # Σ log s
         torch._foreach_exp_(u)
         s = u
-        # θ = m + s ⊙ ε written over ε (the bucket's own draws): θ needs no buffer of its own
-        theta = [torch.addcmul(mi, si, ei, out=ei) for mi, si, ei in zip(m, s, _views(eps, m))]
+        # θ = m + s ⊙ ε written over ε (the bucket's own draws): θ needs no buffer of its own. Not when ε is a
+        # slice of draws shared with other buckets (random_buckets' one-call path): writing there would modify
+        # the base of the other buckets' θ in place, which autograd refuses for a Function's view outputs
+        shared = eps._base is not None and eps._base.numel() != eps.numel()
+        theta = [torch.addcmul(mi, si, ei) if shared else torch.addcmul(mi, si, ei, out=ei)
+                 for mi, si, ei in zip(m, s, _views(eps, m))]
         kl = m[0].new_zeros(())
         if prior_pos:
             mp, sp = [m[i] for i in prior_pos], [s[i] for i in prior_pos]

@@ -26,11 +26,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin on a shared 2-core box
+import torch  # noqa: E402
 
 import bayeswrap as bw
 from scripts.benchmarks.laplace import laplace_quiet, load_laplace_torch, source_state
