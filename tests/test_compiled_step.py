@@ -192,6 +192,8 @@ def test_bad_compile_options_are_refused_before_training(value, message):
                compile=value)
     assert set(COMPILE_KEYS) == {"backend", "mode", "fullgraph", "dynamic", "options"}
     assert compile_options(False) is None and compile_options(None) is None
-    assert compile_options(True) == {"fullgraph": True}
+    assert compile_options(True) == {"fullgraph": True, "options": {"fallback_random": True}}  # eager's draws
+    assert compile_options({"options": {"fallback_random": False}})["options"] == {"fallback_random": False}
+    assert "options" not in compile_options({"mode": "max-autotune"})
     assert compile_options({"backend": "aot_eager", "fullgraph": False}) == {"backend": "aot_eager",
                                                                              "fullgraph": False}
