@@ -131,8 +131,8 @@ def fit(bnn: BayesianModel, train_loader, *, epochs: int, optimizer: torch.optim
             method's reference expressions instead of the fused kernels, with no graph break
             (``fullgraph=True`` unless given). The first step and batches of other shapes than the compiled
             one (the last, smaller batch) run eagerly, so an epoch compiles once; the losses and parameters are
-            eager's to float rounding (with inductor, its own random draws unless
-            ``torch._inductor.config.fallback_random``). Each fit compiles anew; compilation takes seconds to
+            eager's to float rounding (with inductor, eager's random draws too: its ``fallback_random``
+            option is set unless a ``mode`` or ``options`` say otherwise). Each fit compiles anew; compilation takes seconds to
             minutes, so it pays on long fits of large models. See :mod:`bayeswrap.compiled`.
 
     Returns:
