@@ -780,16 +780,19 @@ def _per_row_grads(call: _Call, d: torch.Tensor, sl: slice, attrs=None,
     return out
 
 
+def _padded_input(mod: nn.Module, a: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A conv's input with non-zero or string padding applied explicitly, and the padding left for the kernel."""
+    if mod.padding_mode != "zeros" or isinstance(mod.padding, str):
+        mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
+        return F.pad(a, mod._reversed_padding_repeated_twice, mode=mode), (0,) * len(mod.kernel_size)
+    return a, mod.padding
+
+
 def _conv_patches(mod: nn.Module, a: torch.Tensor) -> torch.Tensor:
     """The unfolded input patches of a Conv1d/Conv2d, (c, C·kk, L) for inputs a (c, C, ...): L output positions."""
     one_d = isinstance(mod, nn.Conv1d)
     kernel, stride, dilation = mod.kernel_size, mod.stride, mod.dilation
-    if mod.padding_mode != "zeros" or isinstance(mod.padding, str):
-        mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
-        a = F.pad(a, mod._reversed_padding_repeated_twice, mode=mode)
-        padding = (0,) * len(kernel)
-    else:
-        padding = mod.padding
+    a, padding = _padded_input(mod, a)
     if one_d:
         a = a.unsqueeze(2)
         kernel, stride, dilation, padding = (1, *kernel), (1, *stride), (1, *dilation), (0, *padding)
@@ -835,12 +838,7 @@ def _conv_weight_grads_by_kernel(mod: nn.Module, a: torch.Tensor, d: torch.Tenso
     """
     m, c, o = d.shape[:3]
     kernel, stride, dilation = mod.kernel_size, mod.stride, mod.dilation
-    if mod.padding_mode != "zeros" or isinstance(mod.padding, str):
-        mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
-        a = F.pad(a, mod._reversed_padding_repeated_twice, mode=mode)
-        padding = (0,) * len(kernel)
-    else:
-        padding = mod.padding
+    a, padding = _padded_input(mod, a)
     x = a.reshape(1, -1, *a.shape[2:])  # (1, c·C, ...)
     grad_out = d.transpose(0, 1).reshape(1, c * m * o, *d.shape[3:])
     weight = a.new_empty((c * m * o, a.shape[1], *kernel))  # read for its shape only (no input gradient)
